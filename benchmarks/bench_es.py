@@ -1,0 +1,95 @@
+"""Per-iteration time breakdown of ES (in-process backend): generation / noise / perturb+restore / update.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_es.py                       # tiny and smollm2
+    python benchmarks/bench_es.py --models tiny --population 8 --prompts 16 --iterations 2
+
+Prints one JSON document: per model the mean seconds per iteration of each phase and
+`overhead_fraction` = (noise + perturb_restore + update) / iteration, the share of an iteration that
+is ES bookkeeping rather than generation (goal: <= 0.10). If all members tie (z = 0), the update is timed with a stand-in z so that
+it still regenerates every member's noise. The checksum (blake2b of all weights,
+used to verify Ray replicas) is reported separately. Generation grows with --prompts while the
+noise cost does not, so the fraction falls as prompts per iteration approach the paper's 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PHASES = ("generation_s", "noise_s", "perturb_restore_s", "update_s", "update_noise_s", "checksum_s",
+          "iteration_s")
+
+
+def bench(model_spec: str, population: int, prompts: int, iterations: int, max_new_tokens: int | None,
+          dtype: str) -> dict:
+    import torch
+
+    from deltalens.es import ESConfig, ESEngine, LocalBackend, fitness_shaping, iteration_problems, make_task
+    from deltalens.models import load_model
+
+    t0 = time.perf_counter()
+    model, tok = load_model(model_spec, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    cfg = ESConfig(model=model_spec, population=population, prompts_per_iteration=prompts,
+                   iterations=iterations, max_new_tokens=max_new_tokens, dtype=dtype, eval_every=0)
+    engine = ESEngine(model, tok, make_task(cfg), cfg)
+    backend = LocalBackend(engine)
+    rows, forced = [], 0
+    for it in range(1, iterations + 1):
+        t0 = time.perf_counter()
+        rewards, timing = backend.evaluate(it, iteration_problems(engine.task, cfg, it))
+        z = fitness_shaping(rewards, cfg.fitness)
+        if not any(z):  # all members tied: a real update would skip every draw; time a full one instead
+            z = fitness_shaping([float(i % 3) for i in range(population)])
+            forced += 1
+        upd = backend.update(it, z)
+        timing.update({k: upd[k] for k in ("update_s", "update_noise_s", "checksum_s")})
+        timing["iteration_s"] = time.perf_counter() - t0
+        rows.append(timing)
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in PHASES}
+    overhead = mean["noise_s"] + mean["perturb_restore_s"] + mean["update_s"]
+    return {
+        "model": model_spec,
+        "parameters": sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values()),
+        "trained_parameters": engine.n_trained,
+        "dtype": dtype,
+        "population": population,
+        "prompts": prompts,
+        "max_new_tokens": engine.max_new_tokens,
+        "iterations": iterations,
+        "iterations_with_tied_rewards": forced,
+        "torch_threads": torch.get_num_threads(),
+        "load_s": round(load_s, 2),
+        "mean_s": {k: round(v, 4) for k, v in mean.items()},
+        "noise_draws_per_s": round(population * engine.n_trained / max(mean["noise_s"], 1e-9) / 1e6, 1),
+        "overhead_fraction": round(overhead / mean["iteration_s"], 4),
+        "overhead_with_checksum_fraction": round((overhead + mean["checksum_s"]) / mean["iteration_s"], 4),
+        "meets_goal_10pct": overhead / mean["iteration_s"] <= 0.10,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny,smollm2", help="comma-separated model specs")
+    ap.add_argument("--population", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--iterations", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--dtype", default="fp32")
+    args = ap.parse_args(argv)
+    out = {"benchmark": "es_iteration_breakdown", "noise_draws_per_s_unit": "million fp32 normals / s",
+           "results": []}
+    for spec in args.models.split(","):
+        out["results"].append(bench(spec, args.population, args.prompts, args.iterations, args.max_new_tokens,
+                                    args.dtype))
+        print(f"done {spec}", file=sys.stderr)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

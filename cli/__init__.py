@@ -1,0 +1,1 @@
+"""The `deltalens` command line (installed as `deltalens.cli`): thin typer commands over the library."""

@@ -1,0 +1,198 @@
+"""`deltalens diff` and `deltalens sparsify`: what changed in the weights, and how much of it matters.
+
+Thin typer commands (registered by cli/main.py): each declares its options and calls one library
+function (`deltalens.delta.diff_analysis`, `deltalens.sparsify.sparsify_analysis`), then prints rich
+tables and writes analysis.json (docs/analysis-schema.md) atomically. Method: arXiv 2608.27351.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from deltalens.errors import DeltalensError
+
+from . import common as c
+
+# ---- options of these commands (shared ones come from cli/common.py)
+Labels = Annotated[list[str] | None, typer.Option("--label", help="label per checkpoint (repeat)")]
+Base = Annotated[str, typer.Argument(help="base: HF dir, run dir, .safetensors, .pt, .gguf, tiny, smollm2")]
+Ckpts = Annotated[list[str], typer.Argument(help="fine-tuned checkpoints to compare with the base")]
+CsvOut = Annotated[Path | None, typer.Option("--csv", help="write tensor/layer/group metrics as CSV")]
+Tol = Annotated[float, typer.Option("--tol", help="|Δ| above this counts in frac_above_tol")]
+TopK = Annotated[int, typer.Option("--topk", help="coordinates in the top-|Δ| lists (0 = none)")]
+Strict = Annotated[bool, typer.Option("--strict", help="fail on any name/shape/dtype mismatch")]
+Svd = Annotated[int, typer.Option("--svd", help="top-N singular values + effective rank of 2-D ΔW")]
+Ckpt = Annotated[str, typer.Argument(help="fine-tuned checkpoint (run dir, HF dir, .safetensors, .pt)")]
+BaseOpt = Annotated[str, typer.Option("--base", help="the model it was fine-tuned from (θ0, architecture)")]
+Thresholds = Annotated[str, typer.Option("--thresholds", help="comma-separated τ on |Δ| ('' = none)")]
+Sparsity = Annotated[str, typer.Option("--sparsity", help="comma-separated target sparsities ('' = none)")]
+OutDir = Annotated[Path | None, typer.Option("--out", help="also save each sparsified checkpoint here")]
+Label = Annotated[str | None, typer.Option("--label", help="label of the checkpoint")]
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DeltalensError(f"--{what} must be comma-separated numbers like 0.5,0.9, not {text!r}") from None
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise DeltalensError(f"--{what} must be comma-separated integers like 1,16,32, not {text!r}") \
+            from None
+
+
+def _fmt(x, spec: str = ".3e") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+_SHORT = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_qkv": "qkv", "attn_o": "o", "attn_bias": "bias",
+          "mlp_gate": "gate", "mlp_up": "up", "mlp_down": "down"}
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 \
+        else str(n)
+
+
+def print_diff(doc: dict) -> None:
+    """Readable tables: whole model + per group for every checkpoint, per layer, then the ratios.
+
+    Every number is also in the JSON/CSV; the tables keep to ~80 columns."""
+    for label, d in doc["diff"].items():
+        t = Table(title=f"{label} vs {doc['base']['path']}: {_count(d['n_params'])} params ({d['dtype']})")
+        for col in ("group", "n", "rel_l2", "l2", "max|Δ|", "changed", f">{d['tol']:g}"):
+            t.add_column(col, justify="left" if col == "group" else "right")
+        for name, m in [*d["groups"].items(), ("whole", d["whole"])]:
+            t.add_row(f"[bold]{name}[/]" if name == "whole" else name, _count(m["n"]), _fmt(m["rel_l2"], ".2e"),
+                      _fmt(m["l2"], ".2e"), _fmt(m["max_abs"], ".2e"), _fmt(m["frac_changed"], ".1%"),
+                      _fmt(m["frac_above_tol"], ".1%"))
+        c.console.print(t)
+        rows = [r for r in d["layers"] if r["layer"] is not None]
+        if rows:
+            groups = [g for g in d["groups"] if any(r["group"] == g for r in rows)]
+            top = max((r["rel_l2"] or 0.0) for r in rows)
+            exp = math.floor(math.log10(top)) if top > 0 else 0   # show values as multiples of 10^exp
+            lt = Table(title=f"{label}: rel_l2 per layer (x 1e{exp})")
+            lt.add_column("layer", justify="right")
+            for g in groups:
+                lt.add_column(_SHORT.get(g, g), justify="right")
+            cell = {(r["layer"], r["group"]): r["rel_l2"] for r in rows}
+            for layer in sorted({r["layer"] for r in rows}):
+                vals = [cell.get((layer, g)) for g in groups]
+                lt.add_row(str(layer), *["-" if v is None else f"{v / 10**exp:.2f}" for v in vals])
+            c.console.print(lt)
+        if d["topk"]["k"]:
+            comp = ", ".join(f"{g} {n}" for g, n in d["topk"]["abs"]["composition"].items())
+            c.console.print(f"top-{d['topk']['k']} |Δ| by group: {comp or '-'}")
+        c.console.print(f"whole-model distance ||θ-θ0||/||θ0|| = {_fmt(d['whole']['rel_l2'], '.4e')}")
+        for w in d["warnings"]:
+            c.console.print(f"[yellow]warning ({label}):[/] {w}", highlight=False)
+    for r in doc["ratios"]:
+        c.console.print(f"rel_l2 ratio {r['a']} / {r['b']} = {_fmt(r['rel_l2_ratio'], '.3g')}")
+
+
+def write_csv(doc: dict, path: Path) -> None:
+    """One row per (checkpoint, level, name): whole model, groups, (layer, group) cells and tensors."""
+    from deltalens.checkpoint import atomic_path
+    from deltalens.delta import METRIC_KEYS
+
+    fields = ["label", "level", "name", "group", "layer", *METRIC_KEYS]
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for label, d in doc["diff"].items():
+            w.writerow({"label": label, "level": "whole", **d["whole"]})
+            for g, m in d["groups"].items():
+                w.writerow({"label": label, "level": "group", "group": g, **m})
+            for r in d["layers"]:
+                w.writerow({"label": label, "level": "layer", **r})
+            for r in d["tensors"]:
+                w.writerow({"label": label, "level": "tensor", **r})
+
+
+def diff_cmd(
+    base: Base,
+    ckpts: Ckpts,
+    json_out: c.JsonOut = None,
+    csv_out: CsvOut = None,
+    tol: Tol = 1e-6,
+    topk: TopK = 100,
+    strict: Strict = False,
+    label: Labels = None,
+    svd: Svd = 0,
+):
+    """Weight distance of each checkpoint from the base: per group, per layer, whole model, ratios."""
+    from deltalens.checkpoint import write_json_atomic
+    from deltalens.delta import diff_analysis
+
+    if tol < 0 or topk < 0 or svd < 0:
+        raise DeltalensError("--tol, --topk and --svd must be >= 0")
+    doc = diff_analysis(base, ckpts, label, tol=tol, topk=topk, strict=strict, svd=svd, progress=True)
+    print_diff(doc)
+    if json_out is not None:
+        write_json_atomic(doc, json_out)
+        c.console.print(f"wrote {json_out}")
+    if csv_out is not None:
+        write_csv(doc, csv_out)
+        c.console.print(f"wrote {csv_out}")
+
+
+def sparsify_cmd(
+    ckpt: Ckpt,
+    base: BaseOpt = "tiny",
+    thresholds: Thresholds = "2.5e-4,5e-4",
+    sparsity: Sparsity = "0.5,0.9",
+    task: c.Task = "arith",
+    samples: c.Samples = 32,
+    k: c.Ks = "1,16,32",
+    temperature: c.Temperature = 0.6,
+    limit: c.Limit = None,
+    seed: c.Seed = 0,
+    out: OutDir = None,
+    json_out: c.JsonOut = None,
+    label: Label = None,
+):
+    """Reset small weight changes (0 < |Δ| <= τ) to the base and measure how much Pass@K gain survives."""
+    from deltalens.checkpoint import write_json_atomic
+    from deltalens.sparsify import sparsify_analysis
+
+    taus, targets, ks = _floats(thresholds, "thresholds"), _floats(sparsity, "sparsity"), _ints(k, "k")
+
+    cache: dict = {}  # one loaded model shared by every evaluation of the sweep
+
+    def evaluate(state_dict):
+        from deltalens.evaluation import evaluate_state_dict
+
+        return evaluate_state_dict(base, state_dict, task, samples=samples, ks=ks, temperature=temperature,
+                                   limit=limit, seed=seed, model_cache=cache)
+
+    doc = sparsify_analysis(base, ckpt, taus, evaluate, sparsities=targets, label=label, task=task,
+                            out_dir=out)
+    for lbl, s in doc["sparsify"].items():
+        t = Table(title=f"{lbl}: sparsified deltas on {task} (base -> full: "
+                        + ", ".join(f"Pass@{kk} {s['base_pass_at_k'][kk]:.3f}->{s['full_pass_at_k'][kk]:.3f}"
+                                    for kk in s["base_pass_at_k"]) + ")")
+        for col in ("τ", "sparsity", "kept L2", *[f"Pass@{kk}" for kk in s["full_pass_at_k"]], "gain kept"):
+            t.add_column(col, justify="right")
+        for p in s["points"]:
+            t.add_row(f"{p['tau']:.3g}", f"{p['sparsity']:.3f}", _fmt(p["kept_l2_frac"], ".3f"),
+                      *[_fmt(p["pass_at_k"].get(kk), ".3f") for kk in s["full_pass_at_k"]],
+                      _fmt(p["gain_retained"], ".2f"))
+        c.console.print(t)
+    if json_out is not None:
+        write_json_atomic(doc, json_out)
+        c.console.print(f"wrote {json_out}")
+
+
+diff = diff_cmd
+sparsify = sparsify_cmd

@@ -1,0 +1,63 @@
+"""`deltalens eval`: Pass@K / Maj@K of one or more models on a task."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from . import common as c
+
+
+def eval_cmd(
+    models: Annotated[list[str], typer.Argument(help="models: tiny, smollm2, HF dir, run dir, hub id, .gguf, .pt, .safetensors")],
+    task: c.Task = "arith",
+    samples: c.Samples = 32,
+    k: c.Ks = "1,16,32",
+    temperature: c.Temperature = 0.6,
+    limit: c.Limit = None,
+    json_out: c.JsonOut = None,
+    label: Annotated[Optional[list[str]], typer.Option("--label", help="label per model (repeat)")] = None,
+    data: c.Data = None,
+    question_field: c.QuestionField = "question",
+    answer_field: c.AnswerField = "answer",
+    config: c.Config = None,
+    dtype: c.Dtype = "fp32",
+    max_new_tokens: c.MaxNewTokens = None,
+    seed: c.Seed = 0,
+    backend: c.Backend = "hf",
+    chat_template: c.ChatTemplate = False,
+):
+    """Evaluate Pass@K and Maj@K (unbiased estimator, n samples per problem) and print a table."""
+    from deltalens.checkpoint import write_json_atomic
+    from deltalens.evaluation import evaluate_models
+    from deltalens.tasks import get_task
+
+    t = get_task(task, data=data, question_field=question_field, answer_field=answer_field)
+    with c.progress_bar() as bar:
+        def factory(lbl, total):
+            tid = bar.add_task(f"eval {lbl}", total=total)
+            return lambda done, _total: bar.update(tid, completed=done)
+
+        result = evaluate_models(models, t, labels=label, config=config, dtype=dtype, samples=samples, ks=k,
+                                 temperature=temperature, limit=limit, max_new_tokens=max_new_tokens,
+                                 seed=seed, backend=backend, chat_template=chat_template,
+                                 progress_factory=factory)
+    first = next(iter(result["evals"].values()))
+    table = Table(title=f"{t.name}: {first['n_problems']} problems x {samples} samples, T={temperature}")
+    table.add_column("model")
+    ks = list(first["pass_at_k"])
+    for kk in ks:
+        table.add_column(f"Pass@{kk}", justify="right")
+    for kk in ks:
+        table.add_column(f"Maj@{kk}", justify="right")
+    table.add_column("reward", justify="right")
+    table.add_column("gen s", justify="right")
+    for lbl, r in result["evals"].items():
+        table.add_row(lbl, *[f"{r['pass_at_k'][x]:.3f}" for x in ks], *[f"{r['maj_at_k'][x]:.3f}" for x in ks],
+                      f"{r['mean_reward']:.3f}", f"{r['timing']['generate_s']:.1f}")
+    c.console.print(table)
+    if json_out is not None:
+        write_json_atomic(result, json_out)
+        c.console.print(f"wrote {json_out}")

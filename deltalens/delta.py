@@ -1,0 +1,479 @@
+"""Weight deltas: how far, where, and how a fine-tuned checkpoint moved from its base.
+
+Implements the weight-change analysis of arXiv 2608.27351 (ES vs GRPO; building on Qiu et al.,
+arXiv 2509.24372): for Δ = θ - θ0, per tensor
+
+    l2 = ||Δ||₂   base_l2 = ||θ0||₂   rel_l2 = ||Δ||₂/||θ0||₂   max_abs = max|Δ|   mean_abs = mean|Δ|
+    frac_changed   = share of coordinates with Δ != 0 exactly (bit-level change)
+    frac_above_tol = share with |Δ| > tol
+
+aggregated per parameter group, per (layer, group) and for the whole model. Aggregates are built from
+sums (Σ Δ², Σ θ0², Σ|Δ|, counts), never by averaging per-tensor norms; the whole-model rel_l2 is the
+paper's ||θ-θ0|| / ||θ0||. It also lists the top-k coordinates by |Δ| and by |Δ|/|θ0| with their group
+composition, and the ratio of rel_l2 between checkpoints (the paper's "ES moves the weights ~N times
+more than GRPO").
+
+Memory: two TensorSources are streamed tensor by tensor and each tensor pair is reduced in chunks of
+CHUNK coordinates in float32, so peak memory is about one base tensor + one checkpoint tensor + a few
+chunk-sized temporaries, whatever the model size.
+
+Departures / choices (not in the paper):
+- Non-finite coordinates (NaN/Inf in either checkpoint) are excluded from every metric and reported in
+  `warnings` with counts; they are never averaged in.
+- The relative top-k ranks |Δ|/|θ0| over coordinates with θ0 != 0 and Δ != 0 (the ratio is infinite
+  where θ0 = 0; how many changed coordinates that excludes is reported in `warnings`). Both top-k lists
+  contain changed coordinates only, so they can be shorter than k.
+- Tied tensors (embedding == lm_head) are one parameter: counted once, under the first name.
+- Group names: fused qkv projections (GPT-2 c_attn, query_key_value, qkv_proj) cannot be split into
+  q/k/v without architecture knowledge and go to the extra group `attn_qkv`; attention biases (q/k/v/o,
+  fused or not) go to `attn_bias`; MLP biases (GPT-2) stay with their projection (mlp_up/mlp_down);
+  position embeddings (GPT-2 wpe) count as `embed`; fused gate_up projections and anything unknown
+  (buffers, MoE routers, vision towers) are `other`.
+- Optional (`svd=N`, off by default): per 2-D tensor the top N singular values of ΔW and its
+  effective rank exp(H(σ/Σσ)) (Roy & Vetterli 2007), stored as an extra `svd` field of the tensor
+  entry.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deltalens.checkpoint import TensorSource, open_tensors
+from deltalens.errors import DeltalensError
+
+GROUPS = ("embed", "lm_head", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o", "attn_bias",
+          "mlp_gate", "mlp_up", "mlp_down", "norm", "other")
+CHUNK = 1 << 22  # coordinates per reduction step: 4M float32 = 16 MB per temporary
+METRIC_KEYS = ("n", "l2", "base_l2", "rel_l2", "max_abs", "mean_abs", "frac_changed", "frac_above_tol")
+
+# ----------------------------------------------------------------------------------------------
+# parameter groups
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer|block)\.(\d+)\.")
+_EMBED = {"embed_tokens", "wte", "wpe", "word_embeddings", "embed_positions", "tok_embeddings", "embed_in"}
+_LM_HEAD = {"lm_head", "embed_out", "output"}
+_ATTN = {"self_attn", "attn", "attention", "self_attention", "mixer"}
+_Q, _K, _V = {"q_proj", "query", "wq", "q"}, {"k_proj", "key", "wk", "k"}, {"v_proj", "value", "wv", "v"}
+_QKV = {"c_attn", "qkv_proj", "query_key_value", "Wqkv", "qkv", "in_proj"}
+_O = {"o_proj", "out_proj", "c_proj", "dense", "wo", "o"}
+_GATE, _UP = {"gate_proj", "w1"}, {"up_proj", "c_fc", "w3", "fc1", "dense_h_to_4h", "fc_in"}
+_DOWN = {"down_proj", "c_proj", "w2", "fc2", "dense_4h_to_h", "fc_out"}
+
+
+def param_group(name: str) -> tuple[str, int | None]:
+    """(group, layer index or None) of a parameter name, for Llama/Qwen2/Mistral/Gemma/GPT-2 naming.
+
+    >>> param_group("model.layers.3.self_attn.q_proj.weight")
+    ('attn_q', 3)
+    >>> param_group("transformer.h.0.attn.c_attn.weight")
+    ('attn_qkv', 0)
+    """
+    m = _LAYER.search(name)
+    layer = int(m.group(1)) if m else None
+    parts = name.split(".")
+    leaf = parts[-1]                                   # weight | bias | (a buffer name)
+    module = parts[-2] if len(parts) > 1 else ""       # q_proj, c_attn, input_layernorm, ...
+    if module in _EMBED:
+        return "embed", layer
+    if module in _LM_HEAD and layer is None:
+        return "lm_head", layer
+    if "norm" in module.lower() or module.startswith("ln_") or module == "ln_f":
+        return "norm", layer
+    in_attn = any(p in _ATTN for p in parts[:-1])
+    if in_attn and module in _ATTN:
+        return "other", layer                          # GPT-2's attn.bias / attn.masked_bias mask buffers
+    if in_attn and module in _Q | _K | _V | _QKV | _O:
+        if leaf == "bias":
+            return "attn_bias", layer
+        if module in _QKV:
+            return "attn_qkv", layer
+        return {**{k: "attn_q" for k in _Q}, **{k: "attn_k" for k in _K}, **{k: "attn_v" for k in _V},
+                **{k: "attn_o" for k in _O}}[module], layer
+    if module in _GATE:
+        return "mlp_gate", layer
+    if module in _UP:
+        return "mlp_up", layer
+    if module in _DOWN:
+        return "mlp_down", layer
+    return "other", layer
+
+
+# ----------------------------------------------------------------------------------------------
+# sums -> metrics
+
+
+@dataclass
+class Sums:
+    """Additive statistics of Δ over a set of coordinates; metrics() derives the schema's METRICS."""
+
+    n: int = 0             # finite coordinates compared
+    sq: float = 0.0        # Σ Δ²
+    base_sq: float = 0.0   # Σ θ0²
+    abs: float = 0.0       # Σ |Δ|
+    max_abs: float = 0.0   # max |Δ|
+    changed: int = 0       # #(Δ != 0)
+    above: int = 0         # #(|Δ| > tol)
+
+    def __iadd__(self, o: Sums):
+        self.n += o.n
+        self.sq += o.sq
+        self.base_sq += o.base_sq
+        self.abs += o.abs
+        self.max_abs = max(self.max_abs, o.max_abs)
+        self.changed += o.changed
+        self.above += o.above
+        return self
+
+    def metrics(self) -> dict:
+        l2, base_l2 = math.sqrt(self.sq), math.sqrt(self.base_sq)
+        n = self.n
+        return {"n": n, "l2": l2, "base_l2": base_l2, "rel_l2": l2 / base_l2 if base_l2 > 0 else None,
+                "max_abs": self.max_abs, "mean_abs": self.abs / n if n else None,
+                "frac_changed": self.changed / n if n else None,
+                "frac_above_tol": self.above / n if n else None}
+
+
+class TopK:
+    """Running top-k of (score, tensor id, flat index, Δ, θ0) over a stream of chunks.
+
+    Each chunk is first filtered against the current k-th best score (one compare + nonzero), so
+    after the first chunks only a handful of candidates reach torch.topk.
+    """
+
+    def __init__(self, k: int):
+        self.k = k
+        self.score = torch.empty(0)
+        self.rows = torch.empty(0, 2, dtype=torch.int64)   # (tensor id, flat index)
+        self.vals = torch.empty(0, 2)                      # (Δ, θ0)
+
+    def threshold(self) -> float:
+        """Scores must beat this to enter: the k-th best so far, or 0 while not full."""
+        return float(self.score.min()) if self.score.numel() >= self.k else 0.0
+
+    def push(self, score: torch.Tensor, tid: int, offset: int, d: torch.Tensor, b: torch.Tensor) -> int:
+        """score/d/b: 1-D chunk starting at flat index `offset`; eligible: finite score > 0."""
+        if self.k == 0 or score.numel() == 0:
+            return 0
+        thr = self.threshold()
+        if thr > 0:                                    # full: only scores beating the k-th best
+            i = torch.nonzero(score > thr).squeeze(1)
+            return self.push_at(i, score[i], tid, offset, d, b)
+        s, i = torch.topk(score, min(self.k, score.numel()))  # filling up: this chunk's best k
+        keep = s > 0
+        return self.push_at(i[keep], s[keep], tid, offset, d, b)
+
+    def push_at(self, i: torch.Tensor, s: torch.Tensor, tid: int, offset: int, d: torch.Tensor,
+                b: torch.Tensor) -> int:
+        """Merge candidates at chunk positions `i` with scores `s`; returns how many had s = inf
+        (|Δ|/|θ0| with θ0 = 0), which are skipped."""
+        if self.k == 0 or i.numel() == 0:
+            return 0
+        finite = torch.isfinite(s)
+        n_inf = int(s.numel() - finite.sum())
+        if n_inf:
+            s, i = s[finite], i[finite]
+        if s.numel() > self.k:
+            s, j = torch.topk(s, self.k)
+            i = i[j]
+        self.score = torch.cat([self.score, s])
+        self.rows = torch.cat([self.rows, torch.stack([torch.full_like(i, tid), i + offset], 1)])
+        self.vals = torch.cat([self.vals, torch.stack([d[i], b[i]], 1)])
+        if self.score.numel() > self.k:
+            self.score, j = torch.topk(self.score, self.k)
+            self.rows, self.vals = self.rows[j], self.vals[j]
+        return n_inf
+
+    def result(self, names: list[str]) -> dict:
+        order = torch.argsort(self.score, descending=True, stable=True)
+        entries = [{"name": names[int(self.rows[j, 0])], "index": int(self.rows[j, 1]),
+                    "delta": float(self.vals[j, 0]), "base": float(self.vals[j, 1])} for j in order.tolist()]
+        counts = Counter(param_group(e["name"])[0] for e in entries)
+        return {"composition": {g: counts[g] for g in GROUPS if counts[g]}, "entries": entries}
+
+
+# ----------------------------------------------------------------------------------------------
+# one tensor pair
+
+
+def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[TopK, TopK] | None = None,
+                tid: int = 0) -> tuple[Sums, int, int, int]:
+    """Reduce one tensor pair (same shape, any float dtypes) in float32 chunks.
+
+    Returns (sums over finite coordinates, #non-finite in base, #non-finite in ckpt, #changed
+    coordinates with θ0 == 0 that the relative top-k skipped). Feeds `tops` = (abs, rel) if given.
+    """
+    b_all, c_all = base.reshape(-1), ckpt.reshape(-1)
+    s, bad_b, bad_c, zero_base = Sums(), 0, 0, 0
+    for lo in range(0, b_all.numel(), CHUNK):
+        b = b_all[lo:lo + CHUNK].float()                   # no copy when already float32
+        c = c_all[lo:lo + CHUNK].float()
+        d = c - b                                          # Δ, (chunk,) float32
+        n, sq, base_sq = d.numel(), float(torch.dot(d, d)), float(torch.dot(b, b))
+        if not (math.isfinite(sq) and math.isfinite(base_sq)):   # slow path only if NaN/Inf present
+            fb, fc = torch.isfinite(b), torch.isfinite(c)
+            bad_b += int((~fb).sum())
+            bad_c += int((~fc).sum())
+            ok = fb & fc & torch.isfinite(d)
+            n = int(ok.sum())
+            d = torch.where(ok, d, 0.0)                    # zero out, keeping flat indices aligned
+            b = torch.where(ok, b, 0.0)
+            sq, base_sq = float(torch.dot(d, d)), float(torch.dot(b, b))
+        a = d.abs()
+        s += Sums(n=n, sq=sq, base_sq=base_sq, abs=float(a.sum()), max_abs=float(a.max()) if a.numel() else 0.0,
+                  changed=int(torch.count_nonzero(d)), above=int(torch.count_nonzero(a > tol)))
+        if tops is not None and tops[0].k:
+            tops[0].push(a, tid, lo, d, b)
+            thr = tops[1].threshold()
+            if thr > 0:  # |Δ|/|θ0| > thr  <=>  |Δ| > thr·|θ0|: filter without dividing the whole chunk
+                i = torch.nonzero(a > b.abs().mul_(thr)).squeeze(1)
+                zero_base += tops[1].push_at(i, a[i] / b[i].abs(), tid, lo, d, b)  # inf (θ0 = 0): skipped
+            else:
+                r = a / b.abs()                            # inf where θ0 = 0 < |Δ|, nan where both are 0
+                ok = torch.isfinite(r)
+                zero_base += int(torch.count_nonzero(torch.isinf(r)))
+                tops[1].push(torch.where(ok, r, 0.0), tid, lo, d, b)
+    return s, bad_b, bad_c, zero_base
+
+
+def svd_summary(base: torch.Tensor, ckpt: torch.Tensor, top: int) -> dict:
+    """Top singular values of ΔW (2-D) and its entropy effective rank exp(H(σ/Σσ))."""
+    sv = torch.linalg.svdvals((ckpt.float() - base.float()).double())
+    total = float(sv.sum())
+    if total == 0:
+        return {"top": [0.0] * min(top, sv.numel()), "effective_rank": 0.0}
+    p = sv / total
+    p = p[p > 0]
+    return {"top": [float(x) for x in sv[:top]], "effective_rank": float(torch.exp(-(p * p.log()).sum()))}
+
+
+# ----------------------------------------------------------------------------------------------
+# one checkpoint against its base
+
+
+def _names_list(kind: str, names: list[str], limit: int = 5) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return f"{kind} ({len(names)}): {', '.join(names[:limit])}{more}"
+
+
+def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, topk: int = 100,
+                 strict: bool = False, svd: int = 0, progress=None) -> dict:
+    """The schema's diff[label] entry for one checkpoint vs its base (both already open).
+
+    `progress` is an optional callable(done: int, total: int) called once per tensor processed.
+    """
+    base_names, ckpt_names = base.names(), ckpt.names()
+    base_set, ckpt_set = set(base_names), set(ckpt_names)
+    # tied groups: every member but the first is an alias of the first on that side
+    b_alias = {m: g[0] for g in base.tied() for m in g[1:]}
+    c_alias = {m: g[0] for g in ckpt.tied() for m in g[1:]}
+
+    def real(name, names, alias):
+        return name in names and name not in alias
+
+    warnings, missing, extra, shape_bad, dtype_bad, skipped_int, retied = [], [], [], [], [], [], []
+    pairs = []  # (name, base name, ckpt name)
+    for name in dict.fromkeys(ckpt_names + base_names + list(c_alias) + list(b_alias)):
+        in_b, in_c = real(name, base_set, b_alias), real(name, ckpt_set, c_alias)
+        if not in_b and not in_c:
+            continue                                        # tied (or absent) on both sides: counted once
+        if in_c and not in_b and name not in b_alias:
+            extra.append(name)
+            continue
+        if in_b and not in_c and name not in c_alias:
+            missing.append(name)
+            continue
+        bn = name if in_b else b_alias[name]
+        cn = name if in_c else c_alias[name]
+        if bn != cn:
+            retied.append(f"{name} (compared with {bn if bn != name else cn})")
+        pairs.append((name, bn, cn))
+
+    names = [p[0] for p in pairs]
+    tops = (TopK(topk), TopK(topk))
+    whole, groups, layers = Sums(), {}, {}
+    tensors, nonfinite, zero_base_total = [], [], 0
+    dtypes: Counter = Counter()
+    for tid, (name, bn, cn) in enumerate(pairs):
+        if progress is not None:
+            progress(tid + 1, len(pairs))
+        bs, cs = base.shape(bn), ckpt.shape(cn)
+        if bs != cs:
+            shape_bad.append(f"{name} {list(bs)} vs {list(cs)}")
+            continue
+        bd, cd = base.dtype(bn), ckpt.dtype(cn)
+        if not (bd.is_floating_point and cd.is_floating_point):
+            b, c = base.get(bn), ckpt.get(cn)              # integer buffers: not parameters
+            if not torch.equal(b, c):
+                skipped_int.append(name)
+            continue
+        if bd != cd:
+            dtype_bad.append(f"{name} {str(bd).removeprefix('torch.')} vs {str(cd).removeprefix('torch.')}")
+        b, c = base.get(bn), ckpt.get(cn)
+        s, bad_b, bad_c, zb = tensor_sums(b, c, tol, tops, tid)
+        zero_base_total += zb
+        if bad_b or bad_c:
+            nonfinite.append(f"{name} (base {bad_b}, checkpoint {bad_c})")
+        group, layer = param_group(name)
+        whole += s
+        groups.setdefault(group, Sums()).__iadd__(s)
+        layers.setdefault((layer, group), Sums()).__iadd__(s)
+        dtypes[str(cd).removeprefix("torch.")] += s.n
+        entry = {"name": name, "group": group, "layer": layer, "shape": list(cs),
+                 "dtype": str(cd).removeprefix("torch."), **s.metrics()}
+        if svd and b.dim() == 2:
+            entry["svd"] = svd_summary(b, c, svd)
+        tensors.append(entry)
+        del b, c
+
+    mismatches = []
+    if missing:
+        mismatches.append(_names_list("missing from the checkpoint", missing))
+    if extra:
+        mismatches.append(_names_list("not in the base", extra))
+    if shape_bad:
+        mismatches.append(_names_list("shape differs (skipped)", shape_bad))
+    if dtype_bad:
+        mismatches.append(_names_list("dtype differs (compared in float32)", dtype_bad))
+    if strict and mismatches:
+        raise DeltalensError(f"checkpoint {ckpt.path} does not match base {base.path}: {mismatches[0]}; "
+                             "drop --strict to compare the common tensors")
+    warnings += mismatches
+    if retied:
+        warnings.append(_names_list("tied on one side only", retied))
+    if skipped_int:
+        warnings.append(_names_list("non-float tensors differ (not analysed)", skipped_int))
+    if nonfinite:
+        warnings.append(_names_list("NaN/Inf values excluded from metrics", nonfinite))
+    if zero_base_total and topk:
+        warnings.append(f"{zero_base_total} changed coordinates have base value 0 and are not ranked "
+                        "in the relative top-k")
+    if not tensors:
+        warnings.append("no floating-point tensors in common: nothing compared")
+
+    def order(key):
+        layer, group = key
+        return (layer is None, layer if layer is not None else 0, GROUPS.index(group))
+
+    return {
+        "dtype": "+".join(d for d, _ in dtypes.most_common()) or None,
+        "n_params": whole.n,
+        "tol": tol,
+        "whole": whole.metrics(),
+        "groups": {g: groups[g].metrics() for g in GROUPS if g in groups},
+        "layers": [{"layer": lay, "group": g, **layers[(lay, g)].metrics()}
+                   for lay, g in sorted(layers, key=order)],
+        "tensors": tensors,
+        "topk": {"k": topk, "abs": tops[0].result(names), "rel": tops[1].result(names)},
+        "tied": ckpt.tied(),
+        "warnings": warnings,
+    }
+
+
+def rel_l2_ratios(diff: dict) -> list[dict]:
+    """rel_l2(a) / rel_l2(b) for every pair a before b (in the diff's order); null if undefined."""
+    labels = list(diff)
+    out = []
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            ra, rb = diff[a]["whole"]["rel_l2"], diff[b]["whole"]["rel_l2"]
+            out.append({"a": a, "b": b, "rel_l2_ratio": ra / rb if ra is not None and rb else None})
+    return out
+
+
+def default_label(path) -> str:
+    """File stem or directory name; for run checkpoints (.../es/checkpoints/final) 'es-final'."""
+    p = Path(str(path).rstrip("/"))
+    stem = p.stem if p.suffix in (".safetensors", ".pt", ".pth", ".bin", ".gguf") else p.name or str(path)
+    if stem in ("final", "model") or stem.startswith("iter-"):
+        parts = [x for x in p.parent.parts if x != "checkpoints"]
+        stem = f"{parts[-1]}-{stem}" if parts else stem
+    return stem
+
+
+def default_labels(paths: list) -> list[str]:
+    """default_label of each path, made unique with -2, -3, ..."""
+    labels, seen = [], Counter()
+    for p in paths:
+        stem = default_label(p)
+        seen[stem] += 1
+        labels.append(stem if seen[stem] == 1 else f"{stem}-{seen[stem]}")
+    return labels
+
+
+def diff_checkpoints(base_path, ckpt_paths, labels: list[str] | None = None, tol: float = 1e-6,
+                     topk: int = 100, strict: bool = False, progress: bool = True, svd: int = 0) -> dict:
+    """Compare checkpoints with one base: {"diff": {label: ...}, "ratios": [...]} (see analysis-schema.md).
+
+    Paths are anything `deltalens.checkpoint.open_tensors` reads; memory stays at a few tensors.
+    """
+    ckpt_paths = [ckpt_paths] if isinstance(ckpt_paths, (str, Path)) else list(ckpt_paths)
+    if not ckpt_paths:
+        raise DeltalensError("give at least one checkpoint to compare with the base")
+    labels = list(labels) if labels else default_labels(ckpt_paths)
+    if len(labels) != len(ckpt_paths) or len(set(labels)) != len(labels):
+        raise DeltalensError("labels must be unique and one per checkpoint")
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(),
+                   console=Console(stderr=True), transient=True, disable=not progress)
+    diff = {}
+    with bar, open_tensors(base_path) as base:
+        for label, path in zip(labels, ckpt_paths):
+            with open_tensors(path) as ckpt:
+                task = bar.add_task(f"diff {label}", total=None)
+                diff[label] = diff_sources(base, ckpt, tol=tol, topk=topk, strict=strict, svd=svd,
+                                           progress=lambda done, total, t=task: bar.update(t, completed=done,
+                                                                                           total=total))
+                bar.remove_task(task)
+    return {"diff": diff, "ratios": rel_l2_ratios(diff)}
+
+
+def model_entry(label: str, path) -> dict:
+    """The schema's models[] entry: kind "run" for a deltalens run directory (metrics.jsonl), with
+    its method from the run's config when it names one, else "checkpoint"."""
+    p = Path(str(path))
+    kind, method = "checkpoint", None
+    if p.is_dir() and (p / "metrics.jsonl").exists():
+        kind = "run"
+        import json
+
+        for cfg in ("run.json", "config.json", "train_config.json"):
+            try:
+                m = json.loads((p / cfg).read_text()).get("method")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if m in ("es", "grpo", "es-grpo"):
+                method = m
+                break
+    return {"label": label, "path": str(path), "kind": kind, "method": method}
+
+
+def analysis_document(base_path, models: list[dict], **sections) -> dict:
+    """An analysis.json document: header (schema_version, version, created, base, models) + sections."""
+    from deltalens import __version__
+
+    return {
+        "schema_version": 1,
+        "deltalens_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "base": {"label": "base", "path": str(base_path)},
+        "models": models,
+        **sections,
+    }
+
+
+def diff_analysis(base_path, ckpt_paths, labels: list[str] | None = None, **kw) -> dict:
+    """A complete analysis.json document (schema_version, base, models, diff, ratios) for a diff."""
+    ckpt_paths = [ckpt_paths] if isinstance(ckpt_paths, (str, Path)) else list(ckpt_paths)
+    labels = list(labels) if labels else default_labels(ckpt_paths)
+    result = diff_checkpoints(base_path, ckpt_paths, labels, **kw)
+    return analysis_document(base_path, [model_entry(lab, p) for lab, p in zip(labels, ckpt_paths)], **result)

@@ -1,0 +1,110 @@
+"""The run directory every training method writes (ES, GRPO, and their sequences).
+
+    runs/es/
+      config.json          method, hyperparameters, model spec, task, seed, deltalens version
+      metrics.jsonl        one JSON object per iteration/step (appended, flushed, fsynced)
+      state.json           resume state: last completed iteration and the checkpoint it is in
+      checkpoints/
+        iter-000010/       HF-format directory (model.safetensors + config.json + tokenizer files)
+        final/             the last weights, written when the run finishes
+        iter-000010.pt     optional plain state dict (--save-pt)
+
+Every file is written atomically (temp file, then rename), so a run killed at any point leaves either
+the previous or the new version of each file, never half of one. `deltalens.models.load_model` accepts
+a run directory and loads `final` (else the latest checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+from deltalens.checkpoint import atomic_dir, save_state_dict, write_json_atomic
+from deltalens.errors import DeltalensError
+
+
+class RunDir:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.ckpt = self.path / "checkpoints"
+
+    # -- creation / resume
+    def create(self, config, overwrite: bool = False) -> None:
+        """Start a new run; refuses to overwrite an existing run unless `overwrite`."""
+        if (self.path / "config.json").exists() and not overwrite:
+            raise DeltalensError(f"{self.path} already holds a run; pass --resume {self.path} to continue it, "
+                                 "or --overwrite / another --out to start afresh")
+        if overwrite and (self.path / "config.json").exists():
+            try:
+                is_run = "method" in json.loads((self.path / "config.json").read_text())
+            except (OSError, ValueError, TypeError):
+                is_run = False
+            if not is_run:  # e.g. an HF model directory: never clobber its config.json
+                raise DeltalensError(f"{self.path} holds a config.json that is not a deltalens run's; "
+                                     "choose another --out")
+            # a fresh run: no rows, resume point or checkpoints of the old one may survive
+            (self.path / "metrics.jsonl").unlink(missing_ok=True)
+            (self.path / "state.json").unlink(missing_ok=True)
+            shutil.rmtree(self.ckpt, ignore_errors=True)
+        self.ckpt.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(asdict(config) if is_dataclass(config) else config, self.path / "config.json")
+
+    def config(self) -> dict:
+        try:
+            return json.loads((self.path / "config.json").read_text())
+        except FileNotFoundError:
+            raise DeltalensError(f"{self.path} is not a run directory (no config.json)") from None
+
+    def state(self) -> dict | None:
+        p = self.path / "state.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    # -- metrics
+    def log(self, row: dict) -> None:
+        """Append one metrics row (one line of JSON), flushed to disk before returning."""
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def metrics(self) -> list[dict]:
+        p = self.path / "metrics.jsonl"
+        if not p.exists():
+            return []
+        rows = []
+        for line in p.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line from a kill: ignore it
+        return rows
+
+    def truncate_metrics(self, upto: int, key: str = "iteration") -> None:
+        """Drop rows after iteration `upto` (on resume, rows past the last checkpoint are redone)."""
+        rows = [r for r in self.metrics() if r.get(key, -1) <= upto]
+        tmp = self.path / "metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(self.path / "metrics.jsonl")
+
+    # -- checkpoints
+    def save(self, model, tokenizer, name: str, state: dict, save_pt: bool = False) -> Path:
+        """Write checkpoints/<name>/ (HF format) atomically, then state.json pointing at it."""
+        out = self.ckpt / name
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        if save_pt:
+            save_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()},
+                            self.ckpt / f"{name}.pt")
+        write_json_atomic({**state, "checkpoint": name}, self.path / "state.json")
+        return out
+
+    def latest(self) -> Path | None:
+        st = self.state()
+        if st and (self.ckpt / st["checkpoint"] / "config.json").exists():
+            return self.ckpt / st["checkpoint"]
+        return None

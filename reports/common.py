@@ -1,0 +1,160 @@
+"""Shared helpers: escaping, number formatting, labels, colours. Pure Python; no plotly, no torch."""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable
+from typing import Any
+
+# Parameter groups in the order a transformer block reads them (docs/analysis-schema.md).
+GROUP_ORDER = ["embed", "attn_q", "attn_k", "attn_v", "attn_o", "attn_bias", "mlp_gate", "mlp_up", "mlp_down",
+               "norm", "lm_head", "other"]
+GROUP_COLORS = {
+    "embed": "#4e79a7", "attn_q": "#a0cbe8", "attn_k": "#f28e2b", "attn_v": "#ffbe7d", "attn_o": "#59a14f",
+    "attn_bias": "#8cd17d", "mlp_gate": "#b6992d", "mlp_up": "#f1ce63", "mlp_down": "#499894",
+    "norm": "#e15759", "lm_head": "#b07aa1", "other": "#9d7660",
+}
+EXTRA_GROUP_COLORS = ["#d37295", "#fabfd2", "#86bcb6", "#79706e", "#bab0ac", "#d4a6c8"]
+BASE_COLOR = "#8a9099"
+MODEL_COLORS = ["#2563eb", "#e8590c", "#0f9d76", "#9333ea", "#d6336c", "#ca8a04", "#0891b2", "#4d7c0f"]
+
+
+def esc(value: Any) -> str:
+    """HTML-escape any value for element text or a quoted attribute."""
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def ptext(value: Any) -> str:
+    """Escape a user string for plotly, which renders a small HTML subset in SVG text.
+
+    plotly decodes &amp; &lt; &gt; back to characters, so the label shows literally and no tag in it is
+    interpreted (a label `<b>x</b>` stays as typed instead of turning bold).
+    """
+    return str(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def num(value: Any) -> float | None:
+    """A finite float, or None for null / NaN / Inf / non-numbers (bools are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def sort_ks(keys: Iterable[Any]) -> list[str]:
+    """Pass@K keys ("1", "16", ...) in numeric order; non-numeric keys last, alphabetically."""
+    def key(k: Any) -> tuple[int, float, str]:
+        try:
+            return (0, float(k), "")
+        except (TypeError, ValueError):
+            return (1, 0.0, str(k))
+    return [str(k) for k in sorted(dict.fromkeys(str(k) for k in keys), key=key)]
+
+
+def order_groups(names: Iterable[str]) -> list[str]:
+    names = list(dict.fromkeys(str(n) for n in names))
+    known = [g for g in GROUP_ORDER if g in names]
+    return known + sorted(n for n in names if n not in GROUP_ORDER)
+
+
+def group_color(group: str, extra_index: dict[str, int]) -> str:
+    if group in GROUP_COLORS:
+        return GROUP_COLORS[group]
+    i = extra_index.setdefault(group, len(extra_index))
+    return EXTRA_GROUP_COLORS[i % len(EXTRA_GROUP_COLORS)]
+
+
+def rgba(hex_color: str, alpha: float) -> str:
+    h = hex_color.lstrip("#")
+    r, g, b = (int(h[i:i + 2], 16) for i in (0, 2, 4))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+def fmt_pct(x: Any, digits: int = 1) -> str:
+    x = num(x)
+    return "—" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def fmt_pp(d: Any) -> str:
+    """A change in percentage points, signed."""
+    d = num(d)
+    if d is None:
+        return ""
+    return f"{100 * d:+.1f} pp".replace("-", "−")
+
+
+def fmt_g(x: Any) -> str:
+    """Compact general number: 0.0307, 7.23e-4, 41.7, 8.1e+05."""
+    x = num(x)
+    if x is None:
+        return "—"
+    if x == 0:
+        return "0"
+    if 1e-3 <= abs(x) < 1e5:
+        return f"{x:.3g}"
+    mant, exp = f"{x:.2e}".split("e")
+    return f"{mant}e{int(exp)}"
+
+
+def fmt_int(x: Any) -> str:
+    x = num(x)
+    return "—" if x is None else f"{int(x):,}"
+
+
+def as_dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def as_list(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
+class Context:
+    """What every section needs: the analysis, model labels in order, the base key, and colours."""
+
+    def __init__(self, analysis: dict):
+        self.analysis = analysis
+        base = as_dict(analysis.get("base"))
+        self.base_label = str(base.get("label") or "base")
+        self.base_path = base.get("path")
+        self.model_info: dict[str, dict] = {}
+        for m in as_list(analysis.get("models")):
+            if isinstance(m, dict) and m.get("label") is not None:
+                self.model_info.setdefault(str(m["label"]), m)
+        labels = list(self.model_info)
+        # Labels that appear only inside sections (a hand-edited or merged analysis) come after, in order.
+        for section in ("diff", "evals", "sparsify", "training", "diversity", "held_out"):
+            for key in as_dict(analysis.get(section)):
+                if not self.is_base(key) and key not in labels:
+                    labels.append(key)
+        self.models = labels
+        self.colors = {label: MODEL_COLORS[i % len(MODEL_COLORS)] for i, label in enumerate(labels)}
+        self.colors.setdefault("base", BASE_COLOR)
+        self.colors[self.base_label] = BASE_COLOR
+
+    def is_base(self, key: str) -> bool:
+        return key in ("base", self.base_label) and key not in self.model_info
+
+    def base_key(self, section: dict) -> str | None:
+        """The key the base model has in a section keyed by '<label or base>'."""
+        for key in ("base", self.base_label):
+            if key in section and key not in self.model_info:
+                return key
+        return None
+
+    def color(self, label: str) -> str:
+        return self.colors.get(label, BASE_COLOR)
+
+    def display(self, key: str) -> str:
+        """The label to show for a section key: the base's label for 'base'."""
+        return self.base_label if key == "base" else key
+
+    def with_base(self, section: dict) -> list[tuple[str, bool]]:
+        """(key, is_base) for keys of `section`: base first, then models in command-line order."""
+        out: list[tuple[str, bool]] = []
+        bk = self.base_key(section)
+        if bk is not None:
+            out.append((bk, True))
+        out += [(label, False) for label in self.models if label in section]
+        return out

@@ -1,0 +1,316 @@
+"""analysis.json -> one self-contained HTML file (plotly.js and the data inlined; opens offline).
+
+Public API: `render_report(analysis, out_path)`, `render_file(analysis_json_path, out_path=None)`,
+`build_html(analysis)` (the page as a string) and `load_analysis(path)` (read + validate).
+
+Safety: user strings (labels, paths, prompts, task names) are HTML-escaped wherever they enter markup, and
+the data island is JSON with every `<`, `>` and `&` written as a \\u escape, so no string in analysis.json
+can close the <script> element or inject markup. No external URL is referenced: the page needs no network.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import json
+import math
+import os
+import re
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..errors import DeltalensError
+from .common import Context, esc
+from .figures import BUILDERS, TEMPLATE, Figure
+from .tables import (
+    held_out_table,
+    inputs_table,
+    per_problem_table,
+    per_prompt_table,
+    summary_table,
+    warnings_list,
+)
+
+SCHEMA_VERSION = 1
+
+# section key -> (title, how to add it). Shown in the "not in this analysis" note.
+SECTIONS: dict[str, tuple[str, str]] = {
+    "diff": ("Weight deltas (distance, layers, groups, top coordinates)", "`deltalens diff`"),
+    "evals": ("Pass@K evaluation", "`deltalens report ... --task T`"),
+    "sparsify": ("Sparsification of the update", "`deltalens report ... --task T --sparsify 5e-4,1e-3`"),
+    "training": ("Training reward curves", "pass run directories (runs/es) rather than bare checkpoints"),
+    "diversity": ("Population diversity", "`deltalens report ... --task T --diversity`"),
+    "held_out": ("Forgetting on held-out tasks", "`deltalens report ... --task T --held-out arith-long,arith-big`"),
+}
+_DRAW_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError)
+
+
+def _renderer_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deltalens")
+    except PackageNotFoundError:  # running from a checkout that is not installed
+        from .. import __version__
+
+        return str(__version__)
+
+
+# ------------------------------------------------------------------------------------------- input
+def validate(analysis: Any) -> dict:
+    """Check the envelope of an analysis; return it. Raises DeltalensError with a one-line message."""
+    if not isinstance(analysis, dict):
+        raise DeltalensError(f"analysis.json must hold a JSON object, not {type(analysis).__name__}")
+    if "schema_version" not in analysis:
+        raise DeltalensError("analysis.json has no schema_version: it was not written by deltalens "
+                             f"(this version reads schema_version {SCHEMA_VERSION})")
+    v = analysis["schema_version"]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise DeltalensError(f"analysis.json schema_version must be an integer, got {v!r}")
+    if v > SCHEMA_VERSION:
+        raise DeltalensError(f"analysis.json has schema_version {v} but this deltalens ({_renderer_version()}) "
+                             f"reads up to {SCHEMA_VERSION}: upgrade deltalens to render it")
+    if v < 1:
+        raise DeltalensError(f"analysis.json has unsupported schema_version {v} (expected {SCHEMA_VERSION})")
+    return analysis
+
+
+def load_analysis(path: str | os.PathLike) -> dict:
+    """Read and validate an analysis.json file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DeltalensError(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise DeltalensError(f"{path} is a directory; pass the analysis.json file inside it") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DeltalensError(f"cannot read {path}: {e}") from None
+    try:
+        analysis = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DeltalensError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    return validate(analysis)
+
+
+# ------------------------------------------------------------------------------------------ assets
+def _template(name: str) -> str:
+    try:
+        return resources.files(__package__).joinpath("templates", name).read_text(encoding="utf-8")
+    except (FileNotFoundError, ModuleNotFoundError, TypeError):
+        return (Path(__file__).parent / "templates" / name).read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def _plotly_js() -> str:
+    try:
+        from plotly.offline import get_plotlyjs
+    except ImportError as e:  # plotly is a core dependency; say how to fix a broken environment
+        raise DeltalensError("rendering a report needs plotly: pip install 'plotly>=5.20'") from e
+    return _script_safe(get_plotlyjs())
+
+
+def _script_safe(js: str) -> str:
+    """Make inline JS safe inside <script>: no `</script` and no `<!--` (neither occurs in plotly.js today)."""
+    js = re.sub(r"</(script)", r"<\\/\1", js, flags=re.IGNORECASE)
+    return js.replace("<!--", "<\\!--")
+
+
+def _json_island(payload: Any) -> str:
+    """JSON for a <script type="application/json">: `<`, `>`, `&` and the JS line separators as \\u escapes."""
+    text = json.dumps(_finite(payload), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    for ch, rep in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
+                    ("\u2029", "\\u2029")):
+        text = text.replace(ch, rep)
+    return text
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+# ------------------------------------------------------------------------------------------- page
+def _present(analysis: dict, key: str) -> bool:
+    v = analysis.get(key)
+    return isinstance(v, dict) and len(v) > 0
+
+
+def _figure_section(fig: Figure) -> str:
+    parts = [f'<section class="card" id="sec-{fig.id}" data-figure="{fig.id}">', f"<h2>{esc(fig.title)}</h2>",
+             f'<p class="caption">{esc(fig.caption)}</p>']
+    if fig.meta:
+        parts.append(f'<p class="meta-line">{fig.meta}</p>')
+    parts.append(fig.controls_html)
+    # An explicit height: with responsive resizing plotly sizes the plot to its div, not to layout.height.
+    height = int(fig.layout.get("height") or 420)
+    parts.append(f'<div class="fig" id="{fig.id}" style="height:{height}px" role="img" '
+                 f'aria-label="{esc(fig.title)}"></div>')
+    parts += [f'<p class="note">{esc(n)}</p>' for n in fig.notes]
+    parts.append(fig.after_html)
+    parts.append("</section>")
+    return "\n".join(p for p in parts if p)
+
+
+def _fmt_time(value: Any) -> str:
+    if not value:
+        return "unknown"
+    try:
+        t = _dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        return t.strftime("%Y-%m-%d %H:%M UTC") if t.utcoffset() == _dt.timedelta(0) else t.isoformat(" ")
+    except ValueError:
+        return str(value)
+
+
+def build_html(analysis: dict, *, rendered_at: _dt.datetime | None = None) -> str:
+    """The complete report page for a validated analysis, as a string."""
+    analysis = validate(analysis)
+    ctx = Context(analysis)
+    figures: list[Figure] = []
+    problems: list[str] = []
+    for section, builder in BUILDERS:
+        if not _present(analysis, section):
+            continue
+        try:
+            fig = builder(ctx)
+        except _DRAW_ERRORS as e:
+            problems.append(f"Could not draw {builder.__name__[4:]} from '{section}': {type(e).__name__}: {e}")
+            continue
+        if fig is not None:
+            figures.append(fig)
+    for fig in figures:
+        if fig.id == "fig-passk":
+            fig.after_html = _safe(per_problem_table, ctx, problems)
+        elif fig.id == "fig-diversity":
+            fig.after_html = _safe(per_prompt_table, ctx, problems)
+
+    held = _safe(held_out_table, ctx, problems) if _present(analysis, "held_out") else None
+    absent = [k for k in SECTIONS if not _present(analysis, k)]
+
+    body: list[str] = []
+    models = ", ".join(ctx.models) or "no models"
+    rendered_at = rendered_at or _dt.datetime.now(_dt.timezone.utc)
+    meta_items = [
+        ("Analysis created", _fmt_time(analysis.get("created"))),
+        ("deltalens (analysis)", analysis.get("deltalens_version") or "unknown"),
+        ("Rendered", f"{rendered_at.strftime('%Y-%m-%d %H:%M UTC')} by deltalens {_renderer_version()}"),
+        ("Schema", f"v{analysis['schema_version']}"),
+    ]
+    body.append(
+        '<header class="page-head"><div class="brand">deltalens</div>'
+        f'<h1>What changed: {esc(models)} <span class="vs">vs</span> {esc(ctx.base_label)}</h1>'
+        '<dl class="meta">' + "".join(f"<div><dt>{esc(k)}</dt><dd>{esc(v)}</dd></div>" for k, v in meta_items)
+        + "</dl></header>")
+    toc = [("sec-summary", "Summary")] + [(f"sec-{f.id}", f.title) for f in figures]
+    if held is not None:
+        toc.append(("sec-heldout", "Forgetting"))
+    body.append('<nav class="toc" aria-label="Sections">'
+                + "".join(f'<a href="#{i}">{esc(t)}</a>' for i, t in toc) + "</nav>")
+
+    summary = ['<section class="card" id="sec-summary"><h2>Summary</h2>',
+               ('<p class="caption">One row per model: Pass@K with the change from base in percentage points '
+                '(green up, red down), how far the weights moved from the initial model, how that distance '
+                'compares between methods, and how much of the update can be zeroed while keeping 90% of the '
+                'Pass@1 gain.</p>'), _safe(summary_table, ctx, problems), _safe(warnings_list, ctx, problems)]
+    if absent:
+        items = "".join(f"<li><b>{esc(SECTIONS[k][0])}</b> — add with {_code(SECTIONS[k][1])}</li>" for k in absent)
+        summary.append(f'<div class="absent" id="sections-absent"><b>Sections absent from this analysis</b>'
+                       f"<ul>{items}</ul></div>")
+    if problems:
+        items = "".join(f"<li>{esc(p)}</li>" for p in problems)
+        summary.append(f'<div class="warn" id="render-problems"><b>Parts of analysis.json could not be shown'
+                       f"</b><ul>{items}</ul></div>")
+    summary.append('<details class="more"><summary>Inputs</summary>' + _safe(inputs_table, ctx, problems)
+                   + "</details></section>")
+    body.append("\n".join(summary))
+    body += [_figure_section(f) for f in figures]
+    if held is not None:
+        body.append('<section class="card" id="sec-heldout"><h2>Forgetting on held-out tasks</h2>'
+                    '<p class="caption">Pass@K on tasks that were not trained on, with the change from base; a red '
+                    'drop means the model forgot something the base model could do.</p>' + held + "</section>")
+    body.append('<footer class="page-foot">Generated by deltalens from analysis.json (schema v'
+                f'{esc(analysis["schema_version"])}). This file is self-contained and works offline.</footer>')
+
+    payload: dict[str, Any] = {"template": TEMPLATE, "figures": [f.spec() for f in figures]}
+    for f in figures:
+        payload.update(f.extra)
+    fills = {
+        "TITLE": esc(f"deltalens report: {models} vs {ctx.base_label}"),
+        "CSS": _template("report.css"),
+        "BODY": "\n".join(body),
+        "DATA": _json_island(payload),
+        "PLOTLY": _plotly_js(),
+        "APP": _script_safe(_template("report.js")),
+        "GENERATOR": esc(f"deltalens {_renderer_version()}"),
+    }
+    return re.sub(r"\{\{([A-Z]+)\}\}", lambda m: fills[m.group(1)], _template("report.html"))
+
+
+def _code(text: str) -> str:
+    """Escape text, rendering `backticked` spans as <code>."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", esc(text))
+
+
+def _safe(fn, ctx: Context, problems: list[str]) -> str:
+    try:
+        return fn(ctx) or ""
+    except _DRAW_ERRORS as e:
+        problems.append(f"Could not build {fn.__name__.replace('_', ' ')}: {type(e).__name__}: {e}")
+        return ""
+
+
+# ------------------------------------------------------------------------------------------ output
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def render_report(analysis: dict, out_path: str | os.PathLike) -> Path:
+    """Render `analysis` (a parsed analysis.json) to one self-contained HTML file; return its path.
+
+    The file is written atomically (temp file in the same directory, then os.replace), so a reader never
+    sees a half-written report. Raises DeltalensError for an unusable analysis or output path.
+    """
+    out = Path(out_path)
+    if out.is_dir():
+        raise DeltalensError(f"output {out} is a directory; give a file name such as {out / 'report.html'}")
+    page = build_html(analysis)
+    try:
+        _write_atomic(out, page)
+    except OSError as e:
+        raise DeltalensError(f"cannot write {out}: {e.strerror or e}") from None
+    return out
+
+
+def render_file(analysis_json_path: str | os.PathLike, out_path: str | os.PathLike | None = None) -> Path:
+    """Render the analysis.json at `analysis_json_path`; default output: the same path with suffix .html."""
+    src = Path(analysis_json_path)
+    analysis = load_analysis(src)
+    out = Path(out_path) if out_path is not None else src.with_suffix(".html")
+    if out.resolve() == src.resolve():
+        raise DeltalensError(f"output {out} would overwrite the analysis itself; choose another name")
+    return render_report(analysis, out)
+
+
+__all__ = ["SCHEMA_VERSION", "SECTIONS", "build_html", "load_analysis", "render_file",
+           "render_report", "validate"]

@@ -1,0 +1,231 @@
+"""deltalens.delta: known-answer metrics, group/layer aggregation from sums, top-k, ties, warnings, CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from deltalens import delta
+from deltalens.checkpoint import DictSource, save_state_dict
+from deltalens.delta import diff_analysis, diff_checkpoints, diff_sources, param_group
+from deltalens.errors import DeltalensError
+
+Q0, Q1 = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"
+K0, DOWN1 = "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"
+NORM, EMB, HEAD = "model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"
+
+
+def known_pair():
+    """Base/checkpoint with hand-picked deltas (embed/lm_head tied by storage on both sides)."""
+    base = {
+        EMB: torch.tensor([[0.1, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]),
+        Q0: torch.tensor([[1.0, 2.0], [3.0, 4.0]]),
+        K0: torch.ones(2, 2),
+        Q1: torch.ones(2, 2),
+        DOWN1: torch.full((2, 3), 2.0),
+        NORM: torch.ones(3),
+    }
+    base[HEAD] = base[EMB]
+    d = {k: torch.zeros_like(v) for k, v in base.items() if k != HEAD}
+    d[EMB][0, 0] = 0.4     # rel 4.0: the top relative change
+    d[Q0][0, 1] = 0.5      # abs 0.5, rel 0.25
+    d[K0][0, 0] = 0.05     # below tol=0.1
+    d[K0][0, 1] = -0.2     # rel 0.2
+    d[Q1][1, 1] = 0.125
+    d[DOWN1][1, 2] = -1.0  # the top |Δ|, rel 0.5
+    d[NORM][0] = 0.3       # rel 0.3
+    ckpt = {k: base[k] + d[k] for k in d}
+    ckpt[HEAD] = ckpt[EMB]
+    return base, ckpt, d
+
+
+def test_param_group_naming():
+    cases = {
+        "model.embed_tokens.weight": ("embed", None), "lm_head.weight": ("lm_head", None),
+        "model.layers.3.self_attn.q_proj.weight": ("attn_q", 3),
+        "model.layers.3.self_attn.k_proj.weight": ("attn_k", 3),
+        "model.layers.3.self_attn.v_proj.weight": ("attn_v", 3),
+        "model.layers.3.self_attn.o_proj.weight": ("attn_o", 3),
+        "model.layers.3.self_attn.q_proj.bias": ("attn_bias", 3),        # Qwen2
+        "model.layers.12.mlp.gate_proj.weight": ("mlp_gate", 12),
+        "model.layers.12.mlp.up_proj.weight": ("mlp_up", 12),
+        "model.layers.12.mlp.down_proj.weight": ("mlp_down", 12),
+        "model.layers.0.input_layernorm.weight": ("norm", 0),
+        "model.layers.0.post_attention_layernorm.weight": ("norm", 0),
+        "model.layers.0.pre_feedforward_layernorm.weight": ("norm", 0),   # Gemma 2/3
+        "model.layers.0.self_attn.q_norm.weight": ("norm", 0),           # Gemma 3 / Qwen3
+        "model.norm.weight": ("norm", None),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": ("other", 0),
+        # GPT-2
+        "transformer.wte.weight": ("embed", None), "transformer.wpe.weight": ("embed", None),
+        "transformer.h.5.attn.c_attn.weight": ("attn_qkv", 5),
+        "transformer.h.5.attn.c_attn.bias": ("attn_bias", 5),
+        "transformer.h.5.attn.c_proj.weight": ("attn_o", 5),
+        "transformer.h.5.attn.bias": ("other", 5),                        # causal-mask buffer
+        "transformer.h.5.mlp.c_fc.weight": ("mlp_up", 5),
+        "transformer.h.5.mlp.c_fc.bias": ("mlp_up", 5),
+        "transformer.h.5.mlp.c_proj.weight": ("mlp_down", 5),
+        "transformer.h.5.ln_1.weight": ("norm", 5), "transformer.ln_f.bias": ("norm", None),
+        "something.else": ("other", None),
+    }
+    for name, want in cases.items():
+        assert param_group(name) == want, name
+        assert want[0] in delta.GROUPS
+
+
+def _close(m, **want):
+    for k, v in want.items():
+        assert m[k] == pytest.approx(v, rel=1e-6, abs=1e-12), k
+
+
+def test_known_answer_metrics():
+    base, ckpt, d = known_pair()
+    r = diff_sources(DictSource(base), DictSource(ckpt), tol=0.1, topk=3)
+    # per tensor
+    t = {e["name"]: e for e in r["tensors"]}
+    assert HEAD not in t  # tied: counted once, under the embedding
+    _close(t[Q0], n=4, l2=0.5, base_l2=math.sqrt(30), rel_l2=0.5 / math.sqrt(30), max_abs=0.5, mean_abs=0.125,
+           frac_changed=0.25, frac_above_tol=0.25)
+    _close(t[K0], n=4, l2=math.sqrt(0.05**2 + 0.2**2), base_l2=2.0, max_abs=0.2, mean_abs=0.25 / 4,
+           frac_changed=0.5, frac_above_tol=0.25)
+    assert t[Q0]["group"] == "attn_q" and t[Q0]["layer"] == 0 and t[Q0]["shape"] == [2, 2]
+    # groups and layers come from sums of squares, not averaged norms
+    _close(r["groups"]["attn_q"], n=8, l2=math.sqrt(0.5**2 + 0.125**2), base_l2=math.sqrt(30 + 4),
+           max_abs=0.5, frac_changed=2 / 8)
+    layers = {(x["layer"], x["group"]): x for x in r["layers"]}
+    assert list(layers) == [(0, "attn_q"), (0, "attn_k"), (1, "attn_q"), (1, "mlp_down"), (None, "embed"),
+                            (None, "norm")]
+    _close(layers[(1, "attn_q")], n=4, l2=0.125, base_l2=2.0, rel_l2=0.0625)
+    all_d = torch.cat([v.reshape(-1) for v in d.values()])
+    all_b = torch.cat([v.reshape(-1) for k, v in base.items() if k != HEAD])
+    _close(r["whole"], n=all_d.numel(), l2=float(all_d.norm()), base_l2=float(all_b.norm()),
+           rel_l2=float(all_d.norm() / all_b.norm()), max_abs=1.0, mean_abs=float(all_d.abs().mean()),
+           frac_changed=7 / all_d.numel(), frac_above_tol=6 / all_d.numel())
+    assert r["n_params"] == all_d.numel() == 8 + 4 * 3 + 6 + 3
+    assert r["dtype"] == "float32" and r["tol"] == 0.1
+    assert r["tied"] == [[EMB, HEAD]] and r["warnings"] == []
+    # top-k by |Δ| and by |Δ|/|θ0|, with group composition
+    top = r["topk"]
+    assert top["k"] == 3
+    assert [(e["name"], e["index"]) for e in top["abs"]["entries"]] == [(DOWN1, 5), (Q0, 1), (EMB, 0)]
+    first = top["abs"]["entries"][0]
+    assert first["delta"] == pytest.approx(-1.0) and first["base"] == 2.0
+    assert top["abs"]["composition"] == {"embed": 1, "attn_q": 1, "mlp_down": 1}
+    assert [(e["name"], e["index"]) for e in top["rel"]["entries"]] == [(EMB, 0), (DOWN1, 5), (NORM, 0)]
+    assert top["rel"]["composition"] == {"embed": 1, "mlp_down": 1, "norm": 1}
+
+
+def test_chunking_gives_same_answer(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    base = {Q0: torch.randn(37, 11, generator=g), NORM: torch.randn(53, generator=g)}
+    ckpt = {k: v + torch.randn(v.shape, generator=g) * (torch.rand(v.shape, generator=g) < 0.5)
+            for k, v in base.items()}
+    whole = diff_sources(DictSource(base), DictSource(ckpt), topk=20)
+    monkeypatch.setattr(delta, "CHUNK", 7)
+    chunked = diff_sources(DictSource(base), DictSource(ckpt), topk=20)
+    for k in delta.METRIC_KEYS:
+        assert chunked["whole"][k] == pytest.approx(whole["whole"][k], rel=1e-5)
+    assert chunked["topk"] == whole["topk"]
+    # and the top-k is the exact top-k of the concatenated deltas
+    dd = torch.cat([(ckpt[k] - base[k]).reshape(-1) for k in (Q0, NORM)])
+    assert [e["delta"] for e in whole["topk"]["abs"]["entries"]] == pytest.approx(
+        dd[dd.abs().argsort(descending=True)[:20]].tolist())
+
+
+def test_nan_inf_reported_and_excluded():
+    base = {Q0: torch.ones(4), NORM: torch.ones(2)}
+    ckpt = {Q0: torch.tensor([1.0, float("nan"), float("inf"), 2.0]), NORM: torch.ones(2)}
+    r = diff_sources(DictSource(base), DictSource(ckpt))
+    assert r["whole"]["n"] == 4 and r["whole"]["l2"] == 1.0 and math.isfinite(r["whole"]["mean_abs"])
+    assert any("NaN/Inf" in w and Q0 in w and "checkpoint 2" in w for w in r["warnings"])
+
+
+def test_mismatches_warn_or_raise():
+    base = {Q0: torch.ones(2, 2), K0: torch.ones(2, 2), NORM: torch.ones(3), "old.weight": torch.ones(1),
+            "model.layers.0.mlp.up_proj.weight": torch.ones(2, 2)}
+    ckpt = {Q0: torch.ones(2, 2) * 2, K0: torch.ones(3, 2), NORM: torch.ones(3).bfloat16(),
+            "new.weight": torch.ones(1), "model.layers.0.mlp.up_proj.weight": torch.ones(2, 2)}
+    r = diff_sources(DictSource(base), DictSource(ckpt))
+    text = "\n".join(r["warnings"])
+    assert "missing from the checkpoint (1): old.weight" in text
+    assert "not in the base (1): new.weight" in text
+    assert f"shape differs (skipped) (1): {K0} [2, 2] vs [3, 2]" in text
+    assert f"dtype differs (compared in float32) (1): {NORM} float32 vs bfloat16" in text
+    assert r["n_params"] == 4 + 3 + 4 and r["dtype"] == "float32+bfloat16"
+    with pytest.raises(DeltalensError, match="does not match base"):
+        diff_sources(DictSource(base), DictSource(ckpt), strict=True)
+
+
+def test_zero_base_excluded_from_relative_topk():
+    bias = "model.layers.0.self_attn.q_proj.bias"
+    r = diff_sources(DictSource({bias: torch.zeros(3)}), DictSource({bias: torch.tensor([0.0, 0.01, 0.0])}))
+    assert r["groups"]["attn_bias"]["rel_l2"] is None  # ||θ0|| = 0
+    assert r["topk"]["rel"]["entries"] == [] and len(r["topk"]["abs"]["entries"]) == 1
+    assert any("1 changed coordinates have base value 0" in w for w in r["warnings"])
+
+
+def test_tied_on_one_side():
+    e = torch.ones(3, 2)
+    base = DictSource({EMB: e}, config={"tie_word_embeddings": True})   # HF file without lm_head
+    ckpt = DictSource({EMB: e.clone(), HEAD: e + 1})                     # fine-tune untied them
+    r = diff_sources(base, ckpt)
+    t = {x["name"]: x for x in r["tensors"]}
+    assert t[HEAD]["l2"] == pytest.approx(math.sqrt(6)) and t[EMB]["l2"] == 0
+    assert r["n_params"] == 12 and r["tied"] == []
+    assert any("tied on one side only" in w for w in r["warnings"])
+
+
+def test_svd_flag():
+    base = {Q0: torch.zeros(4, 3)}
+    u, v = torch.tensor([1.0, 2.0, 0.0, 2.0]), torch.tensor([0.0, 3.0, 4.0])
+    r = diff_sources(DictSource(base), DictSource({Q0: torch.outer(u, v)}), svd=2)
+    s = r["tensors"][0]["svd"]
+    assert s["top"][0] == pytest.approx(15.0) and s["top"][1] == pytest.approx(0.0, abs=1e-5)
+    assert s["effective_rank"] == pytest.approx(1.0, abs=1e-4)
+    assert "svd" not in diff_sources(DictSource(base), DictSource({Q0: torch.ones(4, 3)}))["tensors"][0]
+
+
+def test_diff_files_ratios_and_document(tmp_path):
+    base, ckpt, _ = known_pair()
+    small = {k: base[k] + 0.5 * (ckpt[k] - base[k]) for k in base}
+    paths = [save_state_dict(sd, tmp_path / f"{n}.safetensors") for n, sd in
+             (("base", base), ("es", ckpt), ("grpo", small))]
+    out = diff_checkpoints(paths[0], paths[1:], progress=False)
+    assert list(out["diff"]) == ["es", "grpo"]
+    assert out["ratios"] == [{"a": "es", "b": "grpo", "rel_l2_ratio": pytest.approx(2.0)}]
+    es = out["diff"]["es"]
+    assert es["tied"] == [[EMB, HEAD]] and es["n_params"] == 29
+    mem = diff_sources(DictSource(base), DictSource(ckpt))
+    assert es["whole"] == pytest.approx(mem["whole"])
+    doc = diff_analysis(paths[0], paths[1:], ["a", "b"], progress=False)
+    assert doc["schema_version"] == 1 and doc["base"] == {"label": "base", "path": str(paths[0])}
+    assert doc["models"][0] == {"label": "a", "path": str(paths[1]), "kind": "checkpoint", "method": None}
+    assert set(doc) == {"schema_version", "deltalens_version", "created", "base", "models", "diff", "ratios"}
+    with pytest.raises(DeltalensError, match="labels must be unique"):
+        diff_checkpoints(paths[0], paths[1:], labels=["x", "x"], progress=False)
+
+
+def test_cli_diff(tmp_path):
+    from cli import common
+    from cli.diff import diff, sparsify
+
+    app = typer.Typer()
+    app.command("diff")(common.guard(diff))
+    app.command("sparsify")(common.guard(sparsify))
+    base, ckpt, _ = known_pair()
+    b = save_state_dict(base, tmp_path / "base.safetensors")
+    c = save_state_dict(ckpt, tmp_path / "es.pt")
+    runner = CliRunner()
+    res = runner.invoke(app, ["diff", str(b), str(c), "--json", str(tmp_path / "a.json"),
+                              "--csv", str(tmp_path / "a.csv"), "--topk", "5", "--tol", "0.1"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["diff"]["es"]["topk"]["k"] == 5 and doc["models"][0]["label"] == "es"
+    assert doc["diff"]["es"]["whole"]["frac_above_tol"] == pytest.approx(6 / 29)
+    rows = (tmp_path / "a.csv").read_text().splitlines()
+    assert rows[0].startswith("label,level,name,group,layer,n,l2") and rows[1].startswith("es,whole")
+    res = runner.invoke(app, ["diff", str(b), str(tmp_path / "missing.pt")])
+    assert res.exit_code == 2 and "no such file" in res.output

@@ -1,0 +1,126 @@
+"""Verifier and reward cases: right, wrong, malformed and tricky formats; split hygiene."""
+
+import random
+
+import pytest
+
+from deltalens.errors import DeltalensError
+from deltalens.tasks import (ArithTask, CountdownTask, GSM8KTask, JsonlTask, Problem, _arith_solution,
+                             final_answer, get_task, normalize_number)
+
+
+@pytest.mark.parametrize("text,want", [("1,234", "1234"), ("$5.00", "5"), ("-3.", "-3"), ("0.50", "0.5"),
+                                       (" 42 ", "42"), ("abc", None), ("", None), ("4 5", None), (None, None)])
+def test_normalize_number(text, want):
+    assert normalize_number(text) == want
+
+
+def test_final_answer_takes_first_marker():
+    assert final_answer("blah\n#### 17\n#### 3") == "17"
+    assert final_answer("no marker") is None
+
+
+@pytest.mark.parametrize("completion,score", [
+    (" 12-35=-23. -23+40=17.\n#### 17", 1.0),
+    ("#### 17", 1.0),
+    ("#### 1,7", 1.0),  # commas stripped (GSM8K style)
+    ("#### 18", 0.1),  # well formatted, wrong
+    ("the answer is 17", 0.0),  # no marker: malformed
+    ("#### seventeen", 0.0),
+    ("#### ", 0.0),
+])
+def test_arith_scoring(completion, score):
+    assert ArithTask().score(completion, "17") == score
+
+
+def test_reward_fn_scores_only_completions_trl_interface():
+    task = ArithTask()
+    fn = task.reward_fn()
+    # the prompt contains a correct-looking marker; only the completion may be scored
+    prompts = ["#### 17 Q: 10+7=?\nA:"] * 2
+    assert fn(prompts=prompts, completions=["#### 17", "nothing"], answer=["17", "17"]) == [1.0, 0.0]
+    # conversational completions (TRL passes message lists)
+    assert fn(prompts=prompts, completions=[[{"role": "assistant", "content": "#### 17"}]], answer=["17"]) == [1.0]
+
+
+def test_arith_solutions_are_correct_for_every_strategy():
+    rng = random.Random(0)
+    task = ArithTask()
+    for _ in range(200):
+        terms, value = task._draw(rng)
+        for strat in ("ltr", "pos", "grouped"):
+            sol = _arith_solution(terms, strat)
+            assert task.verify(sol, str(value)), (terms, strat, sol)
+            for step in sol.split("\n")[0].split(". "):
+                lhs, rhs = step.rstrip(".").strip().split("=")
+                assert eval(lhs) == int(rhs)  # every worked step is arithmetically right
+
+
+def test_arith_splits_do_not_overlap_and_are_seeded():
+    a, b = ArithTask(seed=0), ArithTask(seed=0)
+    assert [p.prompt for p in a.test(50)] == [p.prompt for p in b.test(50)]
+    test = {p.prompt for p in a.test()}
+    assert len(test) == a.n_test
+    train = a.train(3000, random.Random(1))
+    assert not test & {p.prompt for p in train}
+    assert ArithTask(seed=1).test(5) != a.test(5)
+    # several strategies in use, and some problems go negative left-to-right
+    assert {p.meta["strategy"] for p in train} == {"ltr", "pos", "grouped"}
+    assert 0.05 < sum(p.meta["ltr_negative"] for p in train) / len(train) < 0.5
+
+
+def test_held_out_variants_differ():
+    long, big = get_task("arith-long"), get_task("arith-big")
+    assert long.test(1)[0].prompt.count("+") + long.test(1)[0].prompt.count("-") == 5
+    assert all(int(x) >= 100 for x in big.test(1)[0].prompt[3:].split("=")[0].replace("-", "+").split("+"))
+
+
+def test_countdown_verifier():
+    task = CountdownTask()
+    p = Problem("Numbers: 3 5 2 4. Target: 12.\nA:", "12", meta={"numbers": [3, 5, 2, 4]})
+    assert task.score_problem("#### (3+5)*2-4", p) == 1.0
+    assert task.score_problem("#### 3*4", p) == 0.1  # right value, numbers not all used
+    assert task.score_problem("#### (3+5)*2-4-0", p) == 0.1  # an extra number
+    assert task.score_problem("#### 3+5+2+4", p) == 0.1  # wrong value
+    assert task.score_problem("#### __import__('os')", p) == 0.0  # not arithmetic: never evaluated
+    assert task.score_problem("#### 3/0+5+2+4", p) == 0.0
+    assert task.score_problem("no answer", p) == 0.0
+    fn = task.reward_fn()
+    assert fn(prompts=[p.prompt], completions=["#### (3+5)*2-4"], answer=["12"]) == [1.0]
+    for q in task.test(50):
+        assert task.score_problem(q.solution, q) == 1.0, q
+
+
+def test_gsm8k_and_jsonl_from_files(tmp_path):
+    f = tmp_path / "qa.jsonl"
+    f.write_text('{"question": "2+2?", "answer": "So 4.\\n#### 1,004"}\n{"question": "x", "answer": "#### 7"}\n')
+    g = GSM8KTask(f)
+    assert [p.answer for p in g.test()] == ["1004", "7"]
+    assert g.verify("... #### 1004", "1004") and g.verify("#### 1,004", "1004")
+    j = JsonlTask(f, question_field="question", answer_field="answer")
+    assert j.test()[0].prompt.startswith("Question: 2+2?")
+    with pytest.raises(DeltalensError, match="missing field"):
+        JsonlTask(f, question_field="q").test()
+    with pytest.raises(DeltalensError, match="no such file"):
+        get_task("jsonl", data=str(tmp_path / "nope.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(DeltalensError, match="bad.jsonl:1"):
+        JsonlTask(bad).test()
+
+
+def test_real_gsm8k_if_present():
+    from pathlib import Path
+
+    d = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+    if not (d / "test.jsonl").exists():
+        pytest.skip("GSM8K not found at ../shared/data/gsm8k (only present in the project's CI and dev machines)")
+    t = get_task("gsm8k", data=str(d))
+    probs = t.test()
+    assert len(probs) == 1319
+    assert all(normalize_number(p.answer) is not None for p in probs)
+
+
+def test_unknown_task():
+    with pytest.raises(DeltalensError, match="unknown task"):
+        get_task("nope")
