@@ -55,13 +55,17 @@ def _fmt(x, spec: str = ".3e") -> str:
     return "-" if x is None else format(x, spec)
 
 
-_SHORT = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_qkv": "qkv", "attn_o": "o", "attn_bias": "bias",
-          "mlp_gate": "gate", "mlp_up": "up", "mlp_down": "down"}
+_SHORT = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_qkv": "qkv", "attn_o": "o",
+          "attn_bias": "bias", "mlp_gate": "gate", "mlp_up": "up", "mlp_down": "down"}
 
 
 def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 \
-        else str(n)
+    """134515008 -> '134.5M' (parameter counts in table cells)."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f}M"
+    return f"{n / 1e3:.1f}k" if n >= 1e4 else str(n)
 
 
 def print_diff(doc: dict) -> None:
@@ -73,9 +77,9 @@ def print_diff(doc: dict) -> None:
         for col in ("group", "n", "rel_l2", "l2", "max|Δ|", "changed", f">{d['tol']:g}"):
             t.add_column(col, justify="left" if col == "group" else "right")
         for name, m in [*d["groups"].items(), ("whole", d["whole"])]:
-            t.add_row(f"[bold]{name}[/]" if name == "whole" else name, _count(m["n"]), _fmt(m["rel_l2"], ".2e"),
-                      _fmt(m["l2"], ".2e"), _fmt(m["max_abs"], ".2e"), _fmt(m["frac_changed"], ".1%"),
-                      _fmt(m["frac_above_tol"], ".1%"))
+            t.add_row(f"[bold]{name}[/]" if name == "whole" else name, _count(m["n"]),
+                      _fmt(m["rel_l2"], ".2e"), _fmt(m["l2"], ".2e"), _fmt(m["max_abs"], ".2e"),
+                      _fmt(m["frac_changed"], ".1%"), _fmt(m["frac_above_tol"], ".1%"))
         c.console.print(t)
         rows = [r for r in d["layers"] if r["layer"] is not None]
         if rows:

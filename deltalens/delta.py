@@ -226,7 +226,7 @@ def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[
             b = torch.where(ok, b, 0.0)
             sq, base_sq = float(torch.dot(d, d)), float(torch.dot(b, b))
         a = d.abs()
-        s += Sums(n=n, sq=sq, base_sq=base_sq, abs=float(a.sum()), max_abs=float(a.max()) if a.numel() else 0.0,
+        s += Sums(n=n, sq=sq, base_sq=base_sq, abs=float(a.sum()), max_abs=float(a.max()),
                   changed=int(torch.count_nonzero(d)), above=int(torch.count_nonzero(a > tol)))
         if tops is not None and tops[0].k:
             tops[0].push(a, tid, lo, d, b)

@@ -51,7 +51,7 @@ class HFBackend:
     memory: ~ 2 * layers * kv_dim * batch_tokens * 4 bytes (fp32).
     """
 
-    def __init__(self, model, tokenizer, batch_tokens: int = 262_144, max_batch: int = 4096,
+    def __init__(self, model, tokenizer, batch_tokens: int = 262_144, max_batch: int = 1024,
                  chat_template: bool = False):
         self.model, self.tok = model, tokenizer
         self.batch_tokens, self.max_batch = batch_tokens, max_batch

@@ -1,0 +1,112 @@
+"""`deltalens diversity`: Jensen-Shannon divergence across ES population members, and their coverage.
+
+    deltalens diversity tiny --task arith --members 8 --sigma 3e-3 --prompts 8 --samples 4
+    deltalens diversity runs/es --task arith --iteration 20 --json div.json      # the run's own members
+    deltalens diversity tiny --task arith --members 8 --sweep 3e-4,1e-3,3e-3      # + the small-σ law
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from . import common as c
+
+
+def diversity(
+    model: Annotated[str, typer.Argument(help="model (tiny, HF dir, checkpoint) or an ES run directory")],
+    task: c.Task = "arith",
+    members: Annotated[int | None, typer.Option(
+        "--members", "-N", help="population size N (default: the run's with --iteration, else 32)")] = None,
+    sigma: Annotated[float | None, typer.Option(
+        "--sigma", help="noise scale σ (default: the run's with --iteration, else 1.5e-3; 0 = N copies)")] = None,
+    iteration: Annotated[int | None, typer.Option(
+        "--iteration", help="ES run: centre after this many iterations, members = the run's next population")
+    ] = None,
+    prompts: Annotated[int, typer.Option("--prompts", "-p", help="held-out prompts (first P test problems)")] = 16,
+    samples: Annotated[int, typer.Option("--samples", "-n", help="samples per member and prompt (M)")] = 4,
+    temperature: c.Temperature = 0.6,
+    sweep: Annotated[str | None, typer.Option(
+        "--sweep", help="comma-separated σ values: also measure JS vs the small-σ law (same noise)")] = None,
+    fisher_samples: Annotated[int, typer.Option(
+        "--fisher-samples", help="samples per prompt for the Fisher trace (with --sweep)")] = 16,
+    max_new_tokens: c.MaxNewTokens = None,
+    seed: c.Seed = 0,
+    label: Annotated[str | None, typer.Option("--label", help="label of the model in the JSON")] = None,
+    data: c.Data = None,
+    question_field: c.QuestionField = "question",
+    answer_field: c.AnswerField = "answer",
+    dtype: Annotated[str | None, typer.Option("--dtype", help="fp32, bf16, fp16 (default: the run's, else fp32)")
+                     ] = None,
+    json_out: c.JsonOut = None,
+):
+    """Population diversity: JS across members (± standard error), JS of success, coverage vs centre."""
+    from deltalens.checkpoint import write_json_atomic
+    from deltalens.diversity import diversity_analysis
+    from deltalens.tasks import get_task
+
+    t = get_task(task, data=data, question_field=question_field, answer_field=answer_field)
+    sigmas = c.parse_floats(sweep, "--sweep") if sweep else None
+    with c.progress_bar() as bar:
+        tid = bar.add_task("diversity", total=None)
+
+        def progress(done, total, stage):
+            bar.update(tid, completed=done, total=total, description=stage)
+
+        doc = diversity_analysis(model, t, label=label, members=members, sigma=sigma, iteration=iteration,
+                                 prompts=prompts, samples=samples, temperature=temperature, seed=seed,
+                                 sweep=sigmas, fisher_samples=fisher_samples, max_new_tokens=max_new_tokens,
+                                 dtype=dtype, progress=progress)
+    lbl, d = next(iter(doc["diversity"].items()))
+    c.console.print(_summary(lbl, d))
+    if d.get("sigma_sweep"):
+        c.console.print(_sweep_table(d["sigma_sweep"]))
+    for note in d.get("notes", []):
+        c.console.print(f"[yellow]note:[/] {note}", highlight=False)
+    if json_out is not None:
+        write_json_atomic(doc, json_out)
+        c.console.print(f"wrote {json_out}")
+
+
+def _f(x, spec=".4g") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _summary(label: str, d: dict) -> Table:
+    where = f"iteration {d['centre_iteration']}" if d.get("centre_iteration") is not None else "fresh noise"
+    table = Table(title=f"{label} on {d['task']}: N={d['members']}, σ={d['sigma']:g} ({where}), "
+                        f"{d['prompts']} prompts × {d['samples']} samples, T={d['temperature']}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    b = d["coverage_bound"]
+    bound = f"{_f(b['lhs'], '.3f')} ≥ {_f(b['rhs'], '.3f')}: {'holds' if b['holds'] else 'VIOLATED'}"
+    rows = [
+        ("JS across members (nats)", f"{_f(d['js_mean'])} ± {_f(d['js_se'], '.2g')}"),
+        ("JS, posterior-entropy estimator", f"{_f(d['js_mi_mean'])} ± {_f(d['js_mi_se'], '.2g')}"),
+        ("JS maximum, log N", _f(d["js_max"])),
+        ("JS of success (verifier)", _f(d["js_succ_mean"])),
+        ("success rate: members / centre", f"{_f(d['p_members_mean'], '.3f')} / {_f(d['p_centre_mean'], '.3f')}"),
+        ("Pass@N: population (1 sample each)", _f(d["coverage_population"], ".3f")),
+        ("Pass@N: centre (N samples)", _f(d["coverage_centre"], ".3f")),
+        ("bound 1-Π(1-p_i) ≥ 1-(1-p̄)^N", bound),
+        ("centre token entropy, T / T=1", f"{_f(d['token_entropy'])} / {_f(d['token_entropy_t1'])}"),
+        ("sequences sampled / scored", f"{d['cost']['sampled']} / {d['cost']['scored']}"),
+        ("seconds", _f(d["timing"].get("total_s"), ".1f")),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def _sweep_table(rows: list[dict]) -> Table:
+    table = Table(title=f"small-σ law: JS ≈ (σ²/2)(1-1/N) tr I, tr I = {rows[0]['fisher_trace']:.4g} ± "
+                        f"{rows[0]['fisher_trace_se']:.2g}")
+    for col in ("σ", "JS", "JS (posterior)", "predicted", "on drawn ε", "ratio", "ratio (posterior)"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(f"{r['sigma']:g}", f"{r['js_mean']:.4g} ± {r['js_se']:.2g}",
+                      f"{r['js_mi_mean']:.4g} ± {r['js_mi_se']:.2g}", f"{r['js_pred']:.4g}",
+                      _f(r["js_pred_draw"]), _f(r["ratio"], ".3f"), _f(r["ratio_mi"], ".3f"))
+    return table
