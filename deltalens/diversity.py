@@ -503,13 +503,13 @@ def population_divergence(population: Population, task, problems, *, samples: in
 
 def fisher_trace(model, tok, task, problems, params: Sequence[torch.Tensor], *, samples: int = 16,
                  temperature: float = 0.6, max_new_tokens: int | None = None, seed: int = 0,
-                 directions: torch.Tensor | None = None, progress: Callable[[int, int], None] | None = None
-                 ) -> list[dict]:
+                 directions: torch.Tensor | None = None) -> list[dict]:
     """tr I_x over `params` per prompt: mean over y ~ π_T(·|x) of ||∇ log π_T(y|x)||² (one backward per
     distinct sample), with its standard error over samples.
 
-    directions (K, D): flattened over `params` in order; then also "quad" (K,) = mean_y (d_k·∇ log π)²,
-    the Fisher quadratic form of each direction (for the law on the drawn noise).
+    Per prompt: trace, trace_se, and the samples themselves: responses (F token-id tuples) and sq (F,)
+    their squared score norms. directions (K, D), flattened over `params` in order: also quad (F, K) =
+    (d_k·∇ log π(y))² per sample, the Fisher quadratic form of each direction (the law on drawn noise).
     """
     mnt = max_new_tokens or task.max_new_tokens
     prompt_ids = encode_prompts(tok, [p.prompt for p in problems])
@@ -524,34 +524,35 @@ def fisher_trace(model, tok, task, problems, params: Sequence[torch.Tensor], *, 
         for p in params:
             p.requires_grad_(True)
         for x in range(len(problems)):
-            sq, quad = [], []
             for y in resp[x]:
-                if (x, y) not in cache:
-                    a = len(prompt_ids[x])
-                    ids = torch.tensor([list(prompt_ids[x]) + list(y)], device=device)  # (1, a + R)
-                    with torch.enable_grad():
-                        logits = model(input_ids=ids).logits[0, a - 1: -1].float()  # (R, V)
-                        lp = (logits / temperature).log_softmax(-1).gather(-1, ids[0, a:, None]).sum()
-                        grads = torch.autograd.grad(lp, params)
-                    g = torch.cat([gr.detach().float().flatten().cpu() for gr in grads])  # (D,)
-                    q = (directions @ g).square() if directions is not None else None  # (K,)
-                    cache[(x, y)] = (float(g.double().square().sum()), q)
-                s, q = cache[(x, y)]
-                sq.append(s)
-                if q is not None:
-                    quad.append(q)
-            t = torch.tensor(sq, dtype=torch.float64)
-            row = {"trace": float(t.mean()),
-                   "trace_se": float(t.std(unbiased=True) / math.sqrt(len(sq))) if len(sq) > 1 else None}
+                if (x, y) in cache:
+                    continue
+                a = len(prompt_ids[x])
+                ids = torch.tensor([list(prompt_ids[x]) + list(y)], device=device)  # (1, a + R)
+                with torch.enable_grad():
+                    logits = model(input_ids=ids).logits[0, a - 1: -1].float()  # (R, V)
+                    lp = (logits / temperature).log_softmax(-1).gather(-1, ids[0, a:, None]).sum()
+                    grads = torch.autograd.grad(lp, params)
+                g = torch.cat([gr.detach().float().flatten().cpu() for gr in grads])  # (D,)
+                q = (directions @ g).double().square() if directions is not None else None  # (K,)
+                cache[(x, y)] = (float(g.double().square().sum()), q)
+            sq = torch.tensor([cache[(x, y)][0] for y in resp[x]], dtype=torch.float64)  # (F,)
+            row = {"trace": float(sq.mean()),
+                   "trace_se": float(sq.std(unbiased=True) / math.sqrt(len(sq))) if len(sq) > 1 else None,
+                   "responses": resp[x], "sq": sq}
             if directions is not None:
-                row["quad"] = torch.stack(quad).double().mean(0)
+                row["quad"] = torch.stack([cache[(x, y)][1] for y in resp[x]])  # (F, K)
             out.append(row)
-            if progress is not None:
-                progress(x + 1, len(problems))
     finally:
         for p, s in zip(params, saved):
             p.requires_grad_(s)
     return out
+
+
+def _ratio(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """Σa / Σb and its delta-method standard error, for paired per-sample terms a, b (K,)."""
+    r = float(a.sum() / b.sum())
+    return r, float((a - r * b).square().sum().sqrt() / b.sum().abs())
 
 
 def sigma_sweep(model, tokenizer, task, sigmas: Sequence[float], *, config=None, iteration: int = 1,
@@ -562,8 +563,16 @@ def sigma_sweep(model, tokenizer, task, sigmas: Sequence[float], *, config=None,
 
     The noise is `config`'s (an ESConfig; default ESConfig(seed, population=members or 8)) at
     `iteration`, the same ε for every σ. tr I_x is estimated once at the centre (`fisher_trace`, over
-    the perturbed parameters); js_pred = (σ²/2)(1 − 1/N) mean_x tr I_x, js_pred_draw the same law on the
-    drawn ε (skipped when N × D exceeds 2·10⁸ floats), ratio = js_mean / js_pred.
+    the perturbed parameters, F = fisher_samples per prompt); js_pred = (σ²/2)(1 − 1/N) mean_x tr I_x,
+    js_pred_draw = (σ²/2) mean_x (1/N) Σ_i E_y[((ε_i − ε̄)·∇ log π)²], the law on the drawn ε (skipped
+    when N × D exceeds 2·10⁸ floats). Measured: js_mean / js_mi_mean from `population_divergence`
+    (members' own samples, independent of the Fisher samples), ratio = js_mean / js_pred.
+
+    Paired check (`ratio_paired`, `ratio_paired_draw`): ||∇ log π(y)||² is heavy-tailed (rare responses
+    carry much of tr I), so two independent estimates disagree by more than their standard errors
+    suggest. The same F centre samples also give an importance-sampled JS, js_is = mean_y (1/N) Σ_i
+    (π_i/π)(y)·log(π_i/π̄)(y) (exact weights: every sample scored under every member and the centre),
+    and its ratio to the law on those very samples (delta-method se) tests Lemma 1 sample by sample.
     """
     from deltalens.es import ESConfig
 
@@ -574,47 +583,77 @@ def sigma_sweep(model, tokenizer, task, sigmas: Sequence[float], *, config=None,
     elif members is not None and members != config.population:
         config = dataclasses.replace(config, population=members)
     problems = task.test(prompts)
-    pops = ESPopulation(model, tokenizer, task, config, iteration, sigma=0.0)
-    n = pops.size
-    steps = len(sigmas) * (2 * n) + 1
-    base = [0]
+    pop0 = ESPopulation(model, tokenizer, task, config, iteration, sigma=0.0)
+    n = pop0.size
+    steps, done = 1 + len(sigmas) * 3 * n, 0
 
-    def sub(done, total, stage):
+    def tick(stage, k=1):
+        nonlocal done
+        done += k
         if progress is not None:
-            progress(base[0] + done, steps, stage)
+            progress(done, steps, stage)
 
     directions = None
-    if draw_prediction and n * pops.engine.n_trained <= 2e8:
-        eps = torch.stack([pops.noise(i) for i in range(n)])  # (N, D)
+    if draw_prediction and n * pop0.engine.n_trained <= 2e8:
+        eps = torch.stack([pop0.noise(i) for i in range(n)])  # (N, D)
         directions = eps - eps.mean(0, keepdim=True)  # ε_i − ε̄
-    fisher = fisher_trace(model, tokenizer, task, problems, pops.params(), samples=fisher_samples,
+    fisher = fisher_trace(model, tokenizer, task, problems, pop0.params(), samples=fisher_samples,
                           temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
                           directions=directions)
-    pops.close()
-    sub(1, steps, "Fisher trace")
-    base[0] = 1
+    pop0.close()
     tr = sum(f["trace"] for f in fisher) / len(fisher)
-    tr_se = (math.sqrt(sum((f["trace_se"] or 0.0) ** 2 for f in fisher)) / len(fisher))
-    draw = sum(float(f["quad"].mean()) for f in fisher) / len(fisher) if directions is not None else None
+    tr_se = math.sqrt(sum((f["trace_se"] or 0.0) ** 2 for f in fisher)) / len(fisher)
+    sq = torch.cat([f["sq"] for f in fisher])  # (P·F,) every Fisher sample, prompts in order
+    quad = torch.cat([f["quad"] for f in fisher]).mean(1) if directions is not None else None  # (P·F,) mean_i
+    # the Fisher samples as distinct (prompt, response) pairs, scored once under the centre
+    prompt_ids = encode_prompts(tokenizer, [p.prompt for p in problems])
+    rows_of: dict[tuple[int, tuple[int, ...]], int] = {}
+    sample_row = torch.tensor([rows_of.setdefault((x, y), len(rows_of)) for x, f in enumerate(fisher)
+                               for y in f["responses"]])  # (P·F,) -> distinct pair
+    items = list(rows_of)
+    lp_centre = sequence_logprobs(model, prompt_ids, items, temperature)["logp"]  # (U,)
+    tick("Fisher trace")
+
     rows = []
     for s in sigmas:
         pop = ESPopulation(model, tokenizer, task, config, iteration, sigma=s)
+
+        def sub(d, _total, stage, base=done, s=s):
+            if progress is not None:
+                progress(base + d, steps, f"σ={s:g}: {stage}")
+
         try:
             r = population_divergence(pop, task, problems, samples=samples, temperature=temperature,
                                       max_new_tokens=max_new_tokens, seed=seed, centre_samples=0, progress=sub)
+            done += 2 * n
+            lp = torch.empty((n, len(items)), dtype=torch.float64)  # (N, U): Fisher samples under members
+            for j in range(n):
+                with pop.member(j) as m:
+                    lp[j] = sequence_logprobs(m, prompt_ids, items, temperature)["logp"]
+                tick(f"σ={s:g}: paired check")
         finally:
             pop.close()
-        base[0] += 2 * n
-        pred = 0.5 * s * s * (1 - 1 / n) * tr
-        rows.append({
+        log_mix = torch.logsumexp(lp, 0) - math.log(n)  # (U,) log π̄
+        js_terms = ((lp - lp_centre).exp() * (lp - log_mix)).mean(0)[sample_row]  # (P·F,)
+        k = 0.5 * s * s
+        pred_terms = k * (1 - 1 / n) * sq  # (P·F,)
+        pred = k * (1 - 1 / n) * tr
+        paired, paired_se = _ratio(js_terms, pred_terms)
+        row = {
             "sigma": s, "js_mean": r["js_mean"], "js_se": r["js_se"], "js_mi_mean": r["js_mi_mean"],
-            "js_mi_se": r["js_mi_se"], "js_pred": pred, "js_pred_se": 0.5 * s * s * (1 - 1 / n) * tr_se,
-            "js_pred_draw": 0.5 * s * s * draw if draw is not None else None,
+            "js_mi_se": r["js_mi_se"], "js_pred": pred, "js_pred_se": k * (1 - 1 / n) * tr_se,
+            "js_pred_draw": k * float(quad.mean()) if quad is not None else None,
             "ratio": r["js_mean"] / pred if pred > 0 else None,
             "ratio_mi": r["js_mi_mean"] / pred if pred > 0 else None,
+            "js_is": float(js_terms.mean()), "js_is_se": float(js_terms.std(unbiased=True) / math.sqrt(len(sq))),
+            "ratio_paired": paired, "ratio_paired_se": paired_se, "ratio_paired_draw": None,
+            "ratio_paired_draw_se": None,
             "fisher_trace": tr, "fisher_trace_se": tr_se, "members": n, "prompts": len(problems),
             "samples": samples, "fisher_samples": fisher_samples, "timing": r["timing"],
-        })
+        }
+        if quad is not None:
+            row["ratio_paired_draw"], row["ratio_paired_draw_se"] = _ratio(js_terms, k * quad)
+        rows.append(row)
     return rows
 
 
@@ -730,7 +769,7 @@ def diversity_section(model_spec: str, task, *, members: int | None = None, sigm
     pop, info = load_population(model_spec, t, members=members, sigma=sigma, iteration=iteration, seed=seed,
                                 dtype=dtype)
     n_sweep = len(sweep or ())
-    grand = 2 * pop.size + 1 + (n_sweep * 2 * pop.size + 1 if n_sweep else 0)
+    grand = 2 * pop.size + 1 + (1 + n_sweep * 3 * pop.size if n_sweep else 0)
     offset = [0]
 
     def prog(done, total, stage):

@@ -42,7 +42,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "sparsify": ("Sparsification of the update", "`deltalens report ... --task T --sparsify 5e-4,1e-3`"),
     "training": ("Training reward curves", "pass run directories (runs/es) rather than bare checkpoints"),
     "diversity": ("Population diversity", "`deltalens report ... --task T --diversity`"),
-    "held_out": ("Forgetting on held-out tasks", "`deltalens report ... --task T --held-out arith-long,arith-big`"),
+    "held_out": ("Forgetting on held-out tasks", "`deltalens report ... --task T --held-out arith-3,arith-long`"),
 }
 _DRAW_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError)
 

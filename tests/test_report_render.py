@@ -110,9 +110,9 @@ def test_minimal_analysis_only_diff(tmp_path):
     assert 'id="heatmap-model"' not in html  # one model: no selector
     absent = html[html.index('id="sections-absent"'):]
     absent = absent[:absent.index("</div>")]
-    for title, command in [("Pass@K evaluation", "deltalens eval"), ("Sparsification", "deltalens sparsify"),
-                           ("Training reward", "metrics.jsonl"), ("Population diversity", "deltalens diversity"),
-                           ("Forgetting", "held-out")]:
+    for title, command in [("Pass@K evaluation", "--task T"), ("Sparsification", "--sparsify"),
+                           ("Training reward", "run directories"), ("Population diversity", "--diversity"),
+                           ("Forgetting", "--held-out")]:
         assert title in absent and command in absent
     assert "Weight deltas" not in absent
     assert "<td class=\"num\">n/a</td>" in html  # no sparsify: the summary says n/a
