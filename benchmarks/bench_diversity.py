@@ -1,7 +1,8 @@
 """The small-σ law of population diversity, measured: JS ≈ (σ²/2)(1 − 1/N) tr I_x(θ) (Lemma 1 of arXiv
 2608.27351) as σ varies over a decade or more, same noise ε scaled.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_diversity.py                      # tiny, ~3-4 min on 1 core
+    OMP_NUM_THREADS=1 python benchmarks/bench_diversity.py                      # tiny, ~1.5 min on 1 core
+    OMP_NUM_THREADS=1 python benchmarks/bench_diversity.py --sigmas 3e-4,1e-3 --draws 4   # E over ε, ~4 min
     python benchmarks/bench_diversity.py --model runs/es/checkpoints/final --sigmas 1e-4,1e-3 --members 16
 
 Prints one JSON document: the settings, tr I_x (mean over prompts ± se, from per-sample backward passes
@@ -37,20 +38,27 @@ def main(argv=None) -> dict:
     ap.add_argument("--fisher-samples", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draws", type=int, default=1,
+                    help="repeat with noise seeds seed..seed+draws-1: the law is an expectation over ε")
     args = ap.parse_args(argv)
 
     import torch
 
     from deltalens.diversity import sigma_sweep
+    from deltalens.es import ESConfig
     from deltalens.models import load_model
     from deltalens.tasks import get_task
 
     t0 = time.perf_counter()
     model, tok = load_model(args.model)
     sigmas = [float(s) for s in args.sigmas.split(",")]
-    rows = sigma_sweep(model, tok, get_task(args.task), sigmas, members=args.members, prompts=args.prompts,
-                       samples=args.samples, temperature=args.temperature, seed=args.seed,
-                       fisher_samples=args.fisher_samples)
+    draws = []
+    for d in range(args.draws):  # same prompts and sampling seed, a different noise seed per draw
+        draws.append(sigma_sweep(model, tok, get_task(args.task), sigmas, prompts=args.prompts,
+                                 config=ESConfig(seed=args.seed + d, population=args.members),
+                                 samples=args.samples, temperature=args.temperature, seed=args.seed,
+                                 fisher_samples=args.fisher_samples))
+    rows = draws[0]
     first = rows[0]
     out = {
         "model": args.model, "task": args.task, "members": args.members, "prompts": args.prompts,
@@ -73,6 +81,15 @@ def main(argv=None) -> dict:
         } for r in rows],
         "total_s": round(time.perf_counter() - t0, 1),
     }
+    if args.draws > 1:  # mean over draws of the member-sampled JS (posterior estimator) / the law
+        out["over_draws"] = [{
+            "sigma": s,
+            "draw_factor": [round(d[k]["js_pred_draw"] / d[k]["js_pred"], 3) for d in draws],
+            "ratio_mi": [round(d[k]["ratio_mi"], 3) for d in draws],
+            "ratio_mi_mean": round(sum(d[k]["js_mi_mean"] for d in draws) / sum(d[k]["js_pred"] for d in draws), 3),
+            "ratio_paired_mean": round(sum(d[k]["js_is"] for d in draws) / sum(d[k]["js_pred"] for d in draws), 3),
+        } for k, s in enumerate(sigmas)]
+        out["fisher_trace_per_draw"] = [round(d[0]["fisher_trace"], 1) for d in draws]
     print(json.dumps(out, indent=2))
     return out
 

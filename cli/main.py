@@ -5,9 +5,12 @@ from __future__ import annotations
 import typer
 
 from . import common
+from .demo import demo
 from .diff import diff_cmd, sparsify_cmd
+from .diversity import diversity
 from .eval import eval_cmd
 from .report import render, report
+from .train import train
 
 app = typer.Typer(
     name="deltalens",
@@ -32,9 +35,12 @@ def _root(version: bool = typer.Option(False, "--version", help="print the versi
         raise typer.Exit()
 
 
+app.command("demo")(common.guard(demo))
+app.command("train")(common.guard(train))
 app.command("eval")(common.guard(eval_cmd))
 app.command("diff")(common.guard(diff_cmd))
 app.command("sparsify")(common.guard(sparsify_cmd))
+app.command("diversity")(common.guard(diversity))
 app.command("render")(common.guard(render))
 app.command("report")(common.guard(report))
 

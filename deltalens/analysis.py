@@ -50,6 +50,19 @@ def weights_hash(spec: str, config: str | None = None) -> str:
     return h.hexdigest()
 
 
+def state_dict_hash(sd) -> str:
+    """sha256 over names, dtypes, shapes and bytes of a state dict's tensors."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 class Cache:
     """JSON results keyed by a hash of (what, inputs). `None` directory disables caching."""
 
@@ -99,9 +112,13 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
                    ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6, limit: int | None = None,
                    seed: int = 0, sparsify: Sequence[float] = (), sparsity_targets: Sequence[float] = (),
                    held_out: Sequence[str] = (), diversity: bool = False, diversity_opts: dict | None = None,
+                   diversity_models: Sequence[str] | None = None, sparsify_models: Sequence[str] | None = None,
                    config: str | None = None, cache_dir: Path | None = None,
                    log: Callable[[str], None] = lambda s: None, progress_factory=None) -> dict:
-    """Run the requested analyses of `models` against `base`; returns the analysis.json dict."""
+    """Run the requested analyses of `models` against `base`; returns the analysis.json dict.
+
+    diversity_models / sparsify_models: labels to restrict those (costly) analyses to; None = all.
+    """
     from deltalens.delta import analysis_document, default_labels, diff_checkpoints, model_entry
     from deltalens.evaluation import evaluate, parse_ks
     from deltalens.models import load_model, resolve, run_checkpoint
@@ -112,7 +129,7 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
     ks = parse_ks(ks)
     if task is None and (sparsify or sparsity_targets or held_out or diversity):
         raise DeltalensError("--sparsify, --held-out and --diversity need --task")
-    labels = list(labels) if labels else default_labels([_display_path(m) for m in models])
+    labels = list(labels) if labels else default_labels(list(models))
     if len(labels) != len(models) or len(set(labels)) != len(labels) or "base" in labels:
         raise DeltalensError("give one unique --label per model (and not 'base')")
     cache = Cache(cache_dir)
@@ -179,15 +196,22 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
 
         sp: dict = {}
         model_cache: dict = {}
+        memo: dict = {}  # state-dict content hash -> evaluation (the base is evaluated once for all models)
+
         for lab, spec in zip(labels, models):
+            if sparsify_models is not None and lab not in sparsify_models:
+                continue
             key = cache.key("sparsify", base=hashes["base"], model=hashes[lab], taus=list(sparsify),
                             targets=list(sparsity_targets), task=t.name, samples=samples, ks=ks,
                             temperature=temperature, limit=limit, seed=seed)
 
             def compute(spec=spec, lab=lab):
                 def evaluate_fn(sd):
-                    return evaluate_state_dict(base, sd, t, samples=samples, ks=ks, temperature=temperature,
-                                               limit=limit, seed=seed, model_cache=model_cache)
+                    h = state_dict_hash(sd)
+                    if h not in memo:
+                        memo[h] = evaluate_state_dict(base, sd, t, samples=samples, ks=ks, temperature=temperature,
+                                                      limit=limit, seed=seed, model_cache=model_cache)
+                    return memo[h]
 
                 log(f"sparsify {lab}: {len(sparsify) + len(sparsity_targets)} points")
                 return sparsify_sweep(weights_path(base), weights_path(spec), list(sparsify), evaluate_fn,
@@ -213,18 +237,14 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
 
         div = {}
         for lab, spec in zip(labels, models):
+            if diversity_models is not None and lab not in diversity_models:
+                continue
             key = cache.key("diversity", model=hashes[lab], task=t.name, opts=diversity_opts or {}, seed=seed)
             div[lab] = cache.get_or_compute(
                 key, lambda spec=spec: diversity_section(spec, t, **(diversity_opts or {})), log)
         sections["diversity"] = div
 
-    doc = analysis_document(_display_path(base), [model_entry(lab, m) for lab, m in zip(labels, models)],
-                            **sections)
-    return doc
-
-
-def _display_path(spec: str) -> str:
-    return spec
+    return analysis_document(base, [model_entry(lab, m) for lab, m in zip(labels, models)], **sections)
 
 
 def default_report_path(models: Sequence[str]) -> Path:
