@@ -6,11 +6,18 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from deltalens.errors import DeltalensError
 
@@ -18,18 +25,18 @@ console = Console(stderr=True)
 
 # ---- shared options
 Task = Annotated[str, typer.Option("--task", "-t", help="task: arith, arith-long, arith-big, countdown, gsm8k, jsonl")]
-Data = Annotated[Optional[str], typer.Option("--data", help="jsonl file or directory (gsm8k, jsonl tasks)")]
+Data = Annotated[str | None, typer.Option("--data", help="jsonl file or directory (gsm8k, jsonl tasks)")]
 QuestionField = Annotated[str, typer.Option("--question-field", help="jsonl task: question field name")]
 AnswerField = Annotated[str, typer.Option("--answer-field", help="jsonl task: answer field name")]
 Samples = Annotated[int, typer.Option("--samples", "-n", help="samples per problem")]
 Ks = Annotated[str, typer.Option("--k", help="comma-separated K values for Pass@K / Maj@K")]
 Temperature = Annotated[float, typer.Option("--temperature", help="sampling temperature (0 = greedy)")]
-Limit = Annotated[Optional[int], typer.Option("--limit", help="evaluate only the first N test problems")]
+Limit = Annotated[int | None, typer.Option("--limit", help="evaluate only the first N test problems")]
 Seed = Annotated[int, typer.Option("--seed", help="random seed")]
-Config = Annotated[Optional[str], typer.Option("--config", help="architecture for bare .pt/.safetensors weights")]
+Config = Annotated[str | None, typer.Option("--config", help="architecture for bare .pt/.safetensors weights")]
 Dtype = Annotated[str, typer.Option("--dtype", help="model dtype: fp32, bf16, fp16")]
-JsonOut = Annotated[Optional[Path], typer.Option("--json", help="write results as JSON to this file")]
-MaxNewTokens = Annotated[Optional[int], typer.Option("--max-new-tokens", help="generation budget (default: task's)")]
+JsonOut = Annotated[Path | None, typer.Option("--json", help="write results as JSON to this file")]
+MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="generation budget (default: task's)")]
 Backend = Annotated[str, typer.Option("--backend", help="generation backend: hf (vllm later)")]
 ChatTemplate = Annotated[bool, typer.Option("--chat-template/--no-chat-template",
                                             help="wrap prompts in the tokenizer's chat template")]

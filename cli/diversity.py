@@ -31,7 +31,7 @@ def diversity(
     sweep: Annotated[str | None, typer.Option(
         "--sweep", help="comma-separated σ values: also measure JS vs the small-σ law (same noise)")] = None,
     fisher_samples: Annotated[int, typer.Option(
-        "--fisher-samples", help="samples per prompt for the Fisher trace (with --sweep)")] = 16,
+        "--fisher-samples", help="samples per prompt for the Fisher trace (with --sweep)")] = 32,
     max_new_tokens: c.MaxNewTokens = None,
     seed: c.Seed = 0,
     label: Annotated[str | None, typer.Option("--label", help="label of the model in the JSON")] = None,
@@ -103,10 +103,13 @@ def _summary(label: str, d: dict) -> Table:
 def _sweep_table(rows: list[dict]) -> Table:
     table = Table(title=f"small-σ law: JS ≈ (σ²/2)(1-1/N) tr I, tr I = {rows[0]['fisher_trace']:.4g} ± "
                         f"{rows[0]['fisher_trace_se']:.2g}")
-    for col in ("σ", "JS", "JS (posterior)", "predicted", "on drawn ε", "ratio", "ratio (posterior)"):
+    for col in ("σ", "JS", "JS (posterior)", "predicted", "on drawn ε", "ratio", "ratio (posterior)",
+                "paired, drawn ε"):
         table.add_column(col, justify="right")
     for r in rows:
+        paired = "—" if r["ratio_paired_draw"] is None else \
+            f"{r['ratio_paired_draw']:.3f} ± {r['ratio_paired_draw_se']:.2g}"
         table.add_row(f"{r['sigma']:g}", f"{r['js_mean']:.4g} ± {r['js_se']:.2g}",
                       f"{r['js_mi_mean']:.4g} ± {r['js_mi_se']:.2g}", f"{r['js_pred']:.4g}",
-                      _f(r["js_pred_draw"]), _f(r["ratio"], ".3f"), _f(r["ratio_mi"], ".3f"))
+                      _f(r["js_pred_draw"]), _f(r["ratio"], ".3f"), _f(r["ratio_mi"], ".3f"), paired)
     return table

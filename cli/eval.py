@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -18,7 +18,7 @@ def eval_cmd(
     temperature: c.Temperature = 0.6,
     limit: c.Limit = None,
     json_out: c.JsonOut = None,
-    label: Annotated[Optional[list[str]], typer.Option("--label", help="label per model (repeat)")] = None,
+    label: Annotated[list[str] | None, typer.Option("--label", help="label per model (repeat)")] = None,
     data: c.Data = None,
     question_field: c.QuestionField = "question",
     answer_field: c.AnswerField = "answer",

@@ -47,9 +47,10 @@ def report(
     Results are cached as JSON next to the report (by content hash), and analysis.json is written
     beside the HTML so `deltalens render` can re-render without recomputing.
     """
+    from deltalens.reports import render_report
+
     from deltalens.analysis import build_analysis, default_report_path
     from deltalens.checkpoint import write_json_atomic
-    from deltalens.reports import render_report
 
     from . import common as c
 

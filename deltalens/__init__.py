@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from deltalens.errors import DeltalensError  # noqa: E402
+from deltalens.errors import DeltalensError
 
 __all__ = ["DeltalensError", "__version__"]

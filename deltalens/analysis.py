@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from deltalens.checkpoint import write_json_atomic
 from deltalens.errors import DeltalensError

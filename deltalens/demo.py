@@ -18,9 +18,9 @@ docs/reproduction.md hold the study with seeds and spread.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from deltalens.errors import DeltalensError
 

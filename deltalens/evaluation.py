@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -12,8 +12,9 @@ batch size; changing the batch size changes which random numbers a sample sees (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -90,8 +91,10 @@ class HFBackend:
                 ids[r, T - len(enc[i]):] = torch.tensor(enc[i])
                 att[r, T - len(enc[i]):] = 1
             torch.manual_seed(params.seed + b)
-            kw = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0) \
-                if params.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+            if params.temperature > 0:
+                kw = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+            else:
+                kw = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
             gen = self.model.generate(
                 input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=params.max_new_tokens,
                 pad_token_id=self.tok.pad_token_id, eos_token_id=eos, **kw,

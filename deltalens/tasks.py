@@ -28,10 +28,10 @@ import json
 import random
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable
 
 from deltalens.errors import DeltalensError
 
@@ -195,7 +195,35 @@ def _arith_solution(terms: list[tuple[str, int]], strategy: str) -> str:
 ARITH_STRATEGIES = {"ltr": 0.6, "pos": 0.3, "grouped": 0.1}
 
 
-class ArithTask(Task):
+class SyntheticTask(Task):
+    """A generated task: `draw(rng)` makes one problem. The test split is the first `n_test` distinct
+    problems of an rng seeded by (name, seed); the training stream skips every test prompt."""
+
+    def draw(self, rng: random.Random) -> Problem:
+        raise NotImplementedError
+
+    def _make_test(self) -> list[Problem]:
+        rng = random.Random(f"{self.name}-test-{self.seed}")
+        seen, out = set(), []
+        while len(out) < self.n_test:
+            p = self.draw(rng)
+            if p.prompt not in seen:
+                seen.add(p.prompt)
+                out.append(p)
+        self._test_prompts = seen
+        return out
+
+    def train(self, n: int, rng: random.Random) -> list[Problem]:
+        self.test()  # fills self._test_prompts
+        out = []
+        while len(out) < n:
+            p = self.draw(rng)
+            if p.prompt not in self._test_prompts:
+                out.append(p)
+        return out
+
+
+class ArithTask(SyntheticTask):
     """Sums of `n_terms` signed integers in [lo, hi]; first term positive, answer >= 0."""
 
     name = "arith"
@@ -230,26 +258,9 @@ class ArithTask(Task):
     def _strategy(self, rng: random.Random) -> str:
         return rng.choices(list(ARITH_STRATEGIES), weights=list(ARITH_STRATEGIES.values()))[0]
 
-    def _make_test(self) -> list[Problem]:
-        rng = random.Random(f"{self.name}-test-{self.seed}")
-        seen, out = set(), []
-        while len(out) < self.n_test:
-            terms, value = self._draw(rng)
-            p = self._problem(terms, value, self._strategy(rng))
-            if p.prompt not in seen:
-                seen.add(p.prompt)
-                out.append(p)
-        return out
-
-    def train(self, n: int, rng: random.Random) -> list[Problem]:
-        test_prompts = {p.prompt for p in self.test()}
-        out = []
-        while len(out) < n:
-            terms, value = self._draw(rng)
-            p = self._problem(terms, value, self._strategy(rng))
-            if p.prompt not in test_prompts:
-                out.append(p)
-        return out
+    def draw(self, rng: random.Random) -> Problem:
+        terms, value = self._draw(rng)
+        return self._problem(terms, value, self._strategy(rng))
 
 
 # ----------------------------------------------------------------------------- countdown
@@ -270,12 +281,12 @@ def _eval_expr(expr: str) -> tuple[Fraction, list[int]] | None:
 
     def ev(node) -> Fraction:
         if not isinstance(node, _ALLOWED_NODES):
-            raise ValueError
+            raise ValueError  # noqa: TRY004 - "not arithmetic" is a value error, caught below
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant):
             if not isinstance(node.value, int):
-                raise ValueError
+                raise ValueError  # noqa: TRY004
             nums.append(node.value)
             return Fraction(node.value)
         if isinstance(node, ast.UnaryOp):
@@ -297,7 +308,7 @@ def _eval_expr(expr: str) -> tuple[Fraction, list[int]] | None:
         return None
 
 
-class CountdownTask(Task):
+class CountdownTask(SyntheticTask):
     """Reach `target` with + - * / using each given number exactly once (integer division exact)."""
 
     name = "countdown"
@@ -307,7 +318,7 @@ class CountdownTask(Task):
         super().__init__(seed, n_test)
         self.n_numbers, self.hi = n_numbers, hi
 
-    def _draw(self, rng: random.Random) -> Problem:
+    def draw(self, rng: random.Random) -> Problem:
         while True:
             nums = [rng.randint(1, self.hi) for _ in range(self.n_numbers)]
             # random expression over a random order: fold left with random ops, parenthesised
@@ -327,24 +338,6 @@ class CountdownTask(Task):
                 return Problem(prompt, str(val), solution=" " + " ".join(steps) + f"\n#### {expr}",
                                meta={"numbers": nums})
 
-    def _make_test(self) -> list[Problem]:
-        rng = random.Random(f"countdown-test-{self.seed}")
-        seen, out = set(), []
-        while len(out) < self.n_test:
-            p = self._draw(rng)
-            if p.prompt not in seen:
-                seen.add(p.prompt)
-                out.append(p)
-        return out
-
-    def train(self, n: int, rng: random.Random) -> list[Problem]:
-        test_prompts = {p.prompt for p in self.test()}
-        out = []
-        while len(out) < n:
-            p = self._draw(rng)
-            if p.prompt not in test_prompts:
-                out.append(p)
-        return out
 
     def _numbers(self, answer_prompt: str) -> list[int]:
         m = re.search(r"Numbers: ([\d ]+)\.", answer_prompt)
@@ -496,8 +489,7 @@ def _gsm8k_from_hub() -> Path:
         for split in ("train", "test"):
             tmp = cache / f".{split}.jsonl.tmp"
             with open(tmp, "w") as f:
-                for row in ds[split]:
-                    f.write(json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n")
+                f.writelines(json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n" for row in ds[split])
             tmp.replace(cache / f"{split}.jsonl")
     return cache
 

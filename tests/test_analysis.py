@@ -3,10 +3,10 @@
 import json
 
 import torch
+from deltalens.cli.main import app
 from typer.testing import CliRunner
 
 from deltalens.checkpoint import save_state_dict
-from deltalens.cli.main import app
 from deltalens.models import load_model
 
 

@@ -310,10 +310,9 @@ def test_run_population_is_the_runs_own(rand_model_dir, tmp_path):
 
 def test_cli_writes_an_analysis_document(rand_model_dir, tmp_path):
     import typer
+    from deltalens.cli.common import guard
+    from deltalens.cli.diversity import diversity
     from typer.testing import CliRunner
-
-    from cli.common import guard
-    from cli.diversity import diversity
 
     app = typer.Typer()
     app.command()(guard(diversity))
@@ -346,15 +345,19 @@ def _tiny_spec() -> str:
 
 @pytest.mark.slow
 def test_small_sigma_law_on_tiny():
-    """JS ∝ σ² with the coefficient (1/2)(1 - 1/N) tr I, within the estimators' errors (about 1 min)."""
+    """Lemma 1 on the bundled tiny model (about 1 min): JS ∝ σ², and JS = (σ²/2)(1/N) Σ_i (ε_i-ε̄)ᵀ I (ε_i-ε̄)
+    on the drawn noise, paired on the Fisher's own samples (within a few %) and from the members' own
+    samples (within the heavy-tailed sampling error); against the expectation over ε, (σ²/2)(1-1/N) tr I,
+    one draw of N = 8 scatters by tens of % (the benchmark averages draws)."""
     from deltalens.diversity import sigma_sweep
     from deltalens.models import load_model
 
     model, tok = load_model(_tiny_spec())
-    rows = sigma_sweep(model, tok, get_task("arith"), [3e-4, 1e-3], members=8, prompts=8, samples=4,
+    rows = sigma_sweep(model, tok, get_task("arith"), [3e-4, 1e-3], members=8, prompts=12, samples=4,
                        fisher_samples=32)
     for r in rows:
+        assert abs(r["ratio_paired_draw"] - 1) < max(0.1, 3 * r["ratio_paired_draw_se"]), r
+        assert 0.7 < r["js_mi_mean"] / r["js_pred_draw"] < 1.3, r
         assert 0.5 < r["ratio_mi"] < 1.5, r
-        assert 0.5 < r["js_mi_mean"] / r["js_pred_draw"] < 1.5, r
     growth = rows[1]["js_mi_mean"] / rows[0]["js_mi_mean"]
     assert 0.75 * (1e-3 / 3e-4) ** 2 < growth < 1.25 * (1e-3 / 3e-4) ** 2

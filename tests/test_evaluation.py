@@ -69,9 +69,8 @@ def test_summarize_counts_correct_samples():
 def test_cli_eval_tiny_end_to_end_and_seeded(tmp_path):
     import json
 
-    from typer.testing import CliRunner
-
     from deltalens.cli.main import app
+    from typer.testing import CliRunner
 
     outs = []
     for i in range(2):

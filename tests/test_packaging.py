@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_wheel_layout_and_import(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                        "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True)
+                        "-w", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("deltalens-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -25,13 +25,13 @@ def test_wheel_layout_and_import(tmp_path):
     # install it into a private target dir and import from there, ahead of the editable install
     site = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
-                        str(wheel)], capture_output=True, text=True)
+                        str(wheel)], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     code = ("import deltalens, deltalens.cli.main, deltalens.reports, importlib.util as u;"
             "print(deltalens.__file__); print(deltalens.cli.main.__file__); print(deltalens.reports.__file__);"
             "print(u.find_spec('cli') is None and u.find_spec('reports') is None)")
     env = {**os.environ, "PYTHONPATH": str(site)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.split()
     assert all(line.startswith(str(site)) for line in lines[:3]), lines
@@ -42,7 +42,7 @@ def test_editable_install_maps_cli_and_reports():
     code = ("import deltalens.cli.main, deltalens.reports, importlib.util as u;"
             "print(deltalens.cli.main.__file__); print(deltalens.reports.__file__);"
             "print(u.find_spec('cli') is None and u.find_spec('reports') is None)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.split()
     assert lines[0] == str(ROOT / "cli" / "main.py") and lines[1] == str(ROOT / "reports" / "__init__.py")
@@ -51,5 +51,5 @@ def test_editable_install_maps_cli_and_reports():
 
 def test_console_script():
     exe = Path(sys.executable).parent / "deltalens"
-    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True)
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and "eval" in out.stdout

@@ -5,8 +5,17 @@ import random
 import pytest
 
 from deltalens.errors import DeltalensError
-from deltalens.tasks import (ArithTask, CountdownTask, GSM8KTask, JsonlTask, Problem, _arith_solution,
-                             final_answer, get_task, normalize_number)
+from deltalens.tasks import (
+    ArithTask,
+    CountdownTask,
+    GSM8KTask,
+    JsonlTask,
+    Problem,
+    _arith_solution,
+    final_answer,
+    get_task,
+    normalize_number,
+)
 
 
 @pytest.mark.parametrize("text,want", [("1,234", "1234"), ("$5.00", "5"), ("-3.", "-3"), ("0.50", "0.5"),

@@ -1,0 +1,693 @@
+"""vLLM generation backend, and ES on vLLM's own (fused) weights.
+
+Two parts, both behind interfaces deltalens already has:
+
+`VLLMBackend` is a generation backend (`generate(prompts, params, progress) -> list[list[str]]`, see
+`deltalens.generation`). Prompts are tokenised by deltalens's own tokenizer exactly as `HFBackend` does
+(chat template option included) and sent to vLLM as token ids; completions come back as token ids, are
+cut at the tokenizer's EOS and decoded with `skip_special_tokens=True`, as `HFBackend` does. Sampling
+parameters map 1:1: n -> n, temperature -> temperature (0 = greedy), top_p -> top_p, max_new_tokens ->
+max_tokens, seed -> seed (prompt i gets seed + i, so prompts do not share one random stream; greedy
+requests get no seed). vLLM is imported only when a backend is built.
+
+ES with vLLM (`VLLMESBackend`, an ES member-evaluation backend like `LocalBackend`/`RayBackend`): the
+driver keeps its HF `ESEngine` (for checkpoints and the noise plan) and one vLLM engine holds the
+weights that are perturbed, scored and updated. Every weight operation runs inside vLLM's worker
+process through the worker-extension API:
+
+    LLM(model, worker_extension_cls="deltalens.vllm_backend.ESWorkerExtension", ...)
+    llm.collective_rpc("es_perturb", args=(iteration, member))  ... generate ...  "es_restore"
+
+The extension (`FusedES`) regenerates, for each trained HF parameter, exactly the noise the HF path
+draws (same `noise_seed(seed, iteration, k, block)`, same CPU generator, same 4M-element blocks) and
+writes it into the slice of vLLM's fused tensor that holds that parameter (`deltalens.vllm_layout`:
+q/k/v inside qkv_proj, gate/up inside gate_up_proj, the embedding inside its padded vocabulary, tied
+lm_head = embedding). Arithmetic matches `ESEngine` op for op: perturbation θ + s·ε in fp32 rounded
+once to the weight dtype; the update accumulated on the CPU in fp32 (the very same ops as `ESEngine`)
+and added once. Restore copies back a base copy of the trained slices (kept on the GPU).
+
+Noise is drawn on the CPU (torch's mt19937 generator: the HF path's numbers; a GPU generator would give
+other numbers) by a thread pool, one block per thread at a time, and copied to the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from deltalens.errors import DeltalensError
+from deltalens.generation import SamplingParams
+
+MISSING_VLLM = "the vllm backend needs vLLM: pip install 'deltalens[vllm]' (GPU machines only)"
+EXTENSION = "deltalens.vllm_backend.ESWorkerExtension"
+VLLM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp16": "float16", "float16": "float16"}
+
+
+def import_vllm():
+    """The vllm module, or a DeltalensError that says how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise DeltalensError(MISSING_VLLM) from e
+    return vllm
+
+
+# ----------------------------------------------------------------------------------------------
+# generation
+
+
+class VLLMBackend:
+    """Batched sampling with a vLLM `LLM` (all prompts of a call in one `llm.generate`).
+
+    Build it with `VLLMBackend.from_spec(model_spec, dtype=..., ...)` (vLLM loads its own weights) or
+    `VLLMBackend.from_model(model, tokenizer)` (saves an in-memory HF model to a temporary directory
+    first). `last_stats` holds the token counts and seconds of the latest `generate` call.
+    """
+
+    def __init__(self, llm, tokenizer, chat_template: bool = False, max_prompts: int | None = None,
+                 repetition_penalty: float | None = None, tmpdir: str | None = None):
+        self.llm, self.tok = llm, tokenizer
+        self.chat_template = chat_template
+        self.max_prompts = max_prompts  # prompts per llm.generate call (None: all; progress per call)
+        self.repetition_penalty = repetition_penalty  # from the model's generation_config, as HF applies it
+        self._tmpdir = tmpdir
+        self.last_stats: dict = {}
+
+    # -- construction
+    @classmethod
+    def from_spec(cls, model_spec: str, *, dtype: str = "fp32", gpu_memory_utilization: float = 0.85,
+                  chat_template: bool = False, tensor_parallel_size: int = 1, seed: int = 0,
+                  max_model_len: int | None = None, enforce_eager: bool = False,
+                  enable_prefix_caching: bool | None = None, worker_extension_cls: str | None = None,
+                  config: str | None = None, max_prompts: int | None = None, **llm_kwargs) -> VLLMBackend:
+        """A vLLM engine for any deltalens model spec (tiny, HF dir, run dir, hub id; a .gguf or bare
+        weights are loaded with transformers and saved to a temporary HF directory first).
+
+        dtype: fp32, bf16, fp16 (deltalens names). Other keyword arguments go to `vllm.LLM` unchanged.
+        """
+        vllm = import_vllm()
+        from deltalens.models import load_model, load_tokenizer, resolve
+
+        if dtype not in VLLM_DTYPES:
+            raise DeltalensError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16")
+        kind, loc = resolve(model_spec)
+        tmp = None
+        if kind in ("gguf", "weights") or config is not None:
+            model, tok = load_model(model_spec, config=config, dtype=dtype)
+            tmp = tempfile.mkdtemp(prefix="deltalens-vllm-")
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            del model
+            path = tmp
+        else:
+            path = str(loc)
+            tok = load_tokenizer(kind, loc)
+        kw = {"model": path, "tokenizer": path, "dtype": VLLM_DTYPES[dtype],
+              "gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": tensor_parallel_size,
+              "seed": seed, "enforce_eager": enforce_eager}
+        if max_model_len is not None:
+            kw["max_model_len"] = max_model_len
+        if enable_prefix_caching is not None:
+            kw["enable_prefix_caching"] = enable_prefix_caching
+        if worker_extension_cls is not None:
+            kw["worker_extension_cls"] = worker_extension_cls
+        kw.update(llm_kwargs)
+        try:
+            llm = vllm.LLM(**kw)
+        except Exception as e:  # vLLM raises many types (ValueError, RuntimeError, CUDA errors)
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise DeltalensError(f"vLLM could not load {model_spec} ({type(e).__name__}: {first}); "
+                                 "DELTALENS_DEBUG=1 shows the traceback") from e
+        return cls(llm, tok, chat_template=chat_template, max_prompts=max_prompts,
+                   repetition_penalty=_repetition_penalty(path, kind), tmpdir=tmp)
+
+    @classmethod
+    def from_model(cls, model, tokenizer, *, dtype: str | None = None, **kw) -> VLLMBackend:
+        """A vLLM engine for an HF model object (saved to a temporary directory that vLLM loads)."""
+        import_vllm()
+        from deltalens.models import DTYPES
+
+        if dtype is None:
+            pdt = next(model.parameters()).dtype
+            dtype = next(k for k, v in DTYPES.items() if v == pdt)
+        tmp = tempfile.mkdtemp(prefix="deltalens-vllm-")
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            backend = cls.from_spec(tmp, dtype=dtype, **kw)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        backend._tmpdir = tmp
+        return backend
+
+    # -- generation
+    def format(self, prompt: str) -> str:
+        if self.chat_template:
+            msgs = [{"role": "user", "content": prompt}]
+            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return prompt
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a prompt, exactly as HFBackend computes them."""
+        return list(self.tok(self.format(prompt), add_special_tokens=not self.chat_template)["input_ids"])
+
+    def sampling_params(self, params: SamplingParams, index: int = 0):
+        """vLLM SamplingParams of prompt `index` (seed + index; no seed when greedy)."""
+        vllm = import_vllm()
+        greedy = params.temperature == 0
+        kw = {"n": params.n, "temperature": params.temperature, "top_p": 1.0 if greedy else params.top_p,
+              "max_tokens": params.max_new_tokens, "seed": None if greedy else params.seed + index,
+              "detokenize": False}
+        if self.tok.eos_token_id is not None:
+            kw["stop_token_ids"] = [self.tok.eos_token_id]
+        if self.repetition_penalty is not None:
+            kw["repetition_penalty"] = self.repetition_penalty
+        return vllm.SamplingParams(**kw)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        row = list(token_ids)
+        eos = self.tok.eos_token_id
+        if eos is not None and eos in row:
+            row = row[: row.index(eos)]
+        return self.tok.decode(row, skip_special_tokens=True)
+
+    def generate(self, prompts: list[str], params: SamplingParams,
+                 progress: Callable[[int], None] | None = None) -> list[list[str]]:
+        """out[i][j]: completion j of prompt i. `progress(k)` is called after each k sequences."""
+        if self.llm is None:
+            raise DeltalensError("this vLLM backend was closed")
+        enc = [self.encode(p) for p in prompts]
+        out: list[list[str]] = []
+        stats = {"prompts": len(prompts), "sequences": 0, "prompt_tokens": 0, "completion_tokens": 0,
+                 "generate_s": 0.0}
+        step = self.max_prompts or max(1, len(prompts))
+        greedy_sp = self.sampling_params(params) if params.temperature == 0 else None
+        for s in range(0, len(prompts), step):
+            idx = range(s, min(s + step, len(prompts)))
+            reqs = [{"prompt_token_ids": enc[i]} for i in idx]
+            sps = greedy_sp if greedy_sp is not None else [self.sampling_params(params, i) for i in idx]
+            t0 = time.perf_counter()
+            results = self.llm.generate(reqs, sps, use_tqdm=False)
+            stats["generate_s"] += time.perf_counter() - t0
+            if len(results) != len(reqs):
+                raise DeltalensError(f"vLLM returned {len(results)} results for {len(reqs)} prompts")
+            for i, res in zip(idx, results):
+                outs = sorted(res.outputs, key=lambda o: o.index)
+                if len(outs) != params.n:
+                    raise DeltalensError(f"vLLM returned {len(outs)} samples for prompt {i}, expected {params.n}")
+                out.append([self.decode(o.token_ids) for o in outs])
+                stats["prompt_tokens"] += len(enc[i])
+                stats["completion_tokens"] += sum(len(o.token_ids) for o in outs)
+            stats["sequences"] += len(reqs) * params.n
+            if progress is not None:
+                progress(len(reqs) * params.n)
+        stats["completion_tokens_per_s"] = stats["completion_tokens"] / max(stats["generate_s"], 1e-9)
+        self.last_stats = stats
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (they belong to the weights they were computed with)."""
+        fn = getattr(self.llm, "reset_prefix_cache", None)
+        if callable(fn):
+            fn()
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            fn = getattr(llm, "shutdown", None)
+            if callable(fn):
+                with contextlib.suppress(Exception):
+                    fn()
+            del llm
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+def _repetition_penalty(path: str, kind: str) -> float | None:
+    """repetition_penalty of the model's generation_config.json (HF `generate` applies it; vLLM would
+    not, since explicit SamplingParams replace the model's defaults), else None."""
+    import json
+    from pathlib import Path
+
+    f = Path(path) / "generation_config.json"
+    if kind == "hub" or not f.exists():
+        return None
+    try:
+        rp = json.loads(f.read_text()).get("repetition_penalty")
+    except (OSError, ValueError):
+        return None
+    return float(rp) if rp not in (None, 1, 1.0) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# ES noise on fused weights (device-agnostic: CPU in tests, the GPU inside vLLM's worker)
+
+
+def block_noise(seed: int, iteration: int, k: int, block: int, n_noise: int, n_blocks: int, numel: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """ε of (iteration, noise vector k, block): the `numel` fp32 N(0, 1) values `ESEngine._noise` draws
+    (same seed function, same CPU generator)."""
+    from deltalens.es import noise_seed
+
+    gen = torch.Generator().manual_seed(noise_seed(seed, iteration, k, block, n_noise, n_blocks))
+    if out is None:
+        out = torch.empty(numel)
+    torch.randn(numel, generator=gen, out=out)
+    return out
+
+
+def layout_config(config) -> dict:
+    """The config keys the layout needs (small and plain, to travel through collective_rpc)."""
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings", "attention_bias",
+            "mlp_bias")
+    get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+    return {k: get(k) for k in keys}
+
+
+def es_plan(engine, threads: int = 0) -> dict:
+    """Everything a weight replica in another layout needs to apply the driver engine's noise: the ES
+    hyperparameters, the layout config, each trained HF tensor with its global block ids, and every
+    unique HF parameter in checksum order (see `deltalens.es.weights_checksum`)."""
+    cfg, model = engine.config, engine.model
+    trained = []
+    for j, (_index, name, p) in enumerate(engine.params):
+        trained.append([name, list(p.shape), [b for jj, _, b in engine.blocks if jj == j]])
+    every, seen = [], set()
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        every.append([name, list(p.shape)])
+    return {"version": 1, "hf_config": layout_config(model.config), "seed": cfg.seed, "n_noise": engine.n_noise,
+            "n_blocks": engine.n_blocks, "chunk": engine.chunk, "sigma": cfg.sigma, "alpha": cfg.alpha,
+            "population": cfg.population, "antithetic": cfg.antithetic, "restore": cfg.restore,
+            "dtype": str(engine.params[0][2].dtype), "trained": trained, "all": every, "threads": threads}
+
+
+class FusedES:
+    """ES perturb/restore/update on a model held in vLLM's fused layout, equal to `ESEngine` on the HF
+    layout: same noise values on the same HF-named parameter, same arithmetic.
+
+    `params`: vLLM parameter name -> live tensor (the worker's `model.named_parameters()`, or a fused
+    state dict on the CPU in tests). `plan`: `es_plan(engine)` of the driver's engine.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], plan: dict, threads: int | None = None):
+        from deltalens.es import PARALLEL_MIN
+        from deltalens.vllm_layout import vllm_slices
+
+        self.plan = plan
+        self.seed, self.n_noise, self.n_blocks = plan["seed"], plan["n_noise"], plan["n_blocks"]
+        self.chunk = plan["chunk"]
+        self.sigma, self.alpha = plan["sigma"], plan["alpha"]
+        self.population, self.antithetic, self.restore_mode = plan["population"], plan["antithetic"], plan["restore"]
+        slices = vllm_slices(plan["hf_config"])
+        self.views: dict[str, torch.Tensor] = {}  # HF name -> its elements inside the vLLM tensor (flat view)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in plan["all"]:
+            if name not in slices:
+                raise DeltalensError(f"HF parameter {name} has no place in the vLLM layout")
+            vname, dim, start, stop = slices[name]
+            if vname not in params:
+                raise DeltalensError(f"vLLM model has no parameter {vname} (holds HF {name}); its parameters "
+                                     f"look like {list(params)[:4]}: is this vLLM version's layout supported?")
+            t = params[vname]
+            if str(t.dtype) != plan["dtype"]:
+                raise DeltalensError(f"vLLM holds {vname} in {t.dtype}, the driver in {plan['dtype']}; "
+                                     "load both with the same --dtype")
+            if not t.is_contiguous() or dim != 0 or tuple(t.shape[1:]) != tuple(shape[1:]) \
+                    or stop > t.shape[0] or stop - start != shape[0]:
+                raise DeltalensError(
+                    f"{name} {tuple(shape)} does not fit rows [{start}, {stop}) of vLLM's {vname} "
+                    f"{tuple(t.shape)} (ES with vLLM needs tensor_parallel_size=1 and an unquantized model)")
+            row = math.prod(shape[1:])
+            self.views[name] = t.detach().view(-1)[start * row: stop * row]
+            self.shapes[name] = tuple(shape)
+        # blocks: (HF name, flat view of the block inside the vLLM tensor, global block id)
+        self.blocks: list[tuple[str, torch.Tensor, int]] = []
+        for name, _shape, block_ids in plan["trained"]:
+            flat = self.views[name]
+            for c, b in enumerate(block_ids):
+                self.blocks.append((name, flat[c * self.chunk:(c + 1) * self.chunk], b))
+        if not self.blocks:
+            raise DeltalensError("the ES plan trains no parameter")
+        self.trained = [name for name, _, _ in plan["trained"]]
+        self.device = self.blocks[0][1].device
+        self.n_trained = sum(self.views[n].numel() for n in self.trained)
+        self._max_block = max(b.numel() for _, b, _ in self.blocks)
+        if not threads or threads <= 0:
+            threads = plan.get("threads") or _cpu_count()
+        self._pool = None
+        if threads > 1 and len(self.blocks) > 1 and self.n_trained >= PARALLEL_MIN:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="es-vllm-noise")
+        self._tls = threading.local()
+        self._base: dict[str, torch.Tensor] | None = None
+
+    # -- buffers and noise
+    def _buf(self, key: str, numel: int, device=None) -> torch.Tensor:
+        buf = getattr(self._tls, key, None)
+        if buf is None:
+            dev = device if device is not None else torch.device("cpu")
+            pin = dev.type == "cpu" and self.device.type == "cuda"
+            buf = torch.empty(self._max_block, device=dev, pin_memory=pin)
+            setattr(self._tls, key, buf)
+        return buf[:numel]
+
+    def _host_noise(self, iteration: int, k: int, block: int, numel: int) -> torch.Tensor:
+        return block_noise(self.seed, iteration, k, block, self.n_noise, self.n_blocks, numel,
+                           out=self._buf("noise", numel))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return host
+        dev = self._buf("dev", host.numel(), self.device)
+        dev.copy_(host)  # blocking: the host buffer is free again when this returns
+        return dev
+
+    def _map(self, fn) -> list:
+        results = list(self._pool.map(fn, self.blocks)) if self._pool else [fn(b) for b in self.blocks]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return results
+
+    @staticmethod
+    def _add(flat: torch.Tensor, eps: torch.Tensor, alpha: float | None = None) -> None:
+        """flat += alpha·eps in fp32, rounded once to flat's dtype (ESEngine's arithmetic)."""
+        kw = {} if alpha is None else {"alpha": alpha}
+        if flat.dtype == torch.float32:
+            flat.add_(eps, **kw)
+        else:
+            flat.copy_(flat.float().add_(eps, **kw))
+
+    def _shift(self, iteration: int, k: int, s: float) -> list[float]:
+        def one(block):
+            _, flat, b = block
+            t0 = time.perf_counter()
+            eps = self._host_noise(iteration, k, b, flat.numel())
+            t1 = time.perf_counter()
+            self._add(flat, self._to_device(eps), s)
+            return t1 - t0, time.perf_counter() - t1
+
+        t0 = time.perf_counter()
+        r = self._map(one)
+        return _split(time.perf_counter() - t0, r)
+
+    # -- ES operations (each returns timings)
+    @torch.no_grad()
+    def perturb(self, iteration: int, member: int) -> dict:
+        """θ ← θ + sign·σ·ε_k on the trained slices."""
+        from deltalens.es import member_noise
+
+        k, sign = member_noise(member, self.antithetic)
+        if self.restore_mode == "copy" and self._base is None:
+            self._base = {n: self.views[n].clone() for n in self.trained}
+        noise_s, other_s = self._shift(iteration, k, sign * self.sigma)
+        return {"noise_s": noise_s, "perturb_restore_s": other_s}
+
+    @torch.no_grad()
+    def restore(self, iteration: int, member: int) -> dict:
+        """Undo `perturb`: copy the base back (exact) or subtract the regenerated noise."""
+        from deltalens.es import member_noise
+
+        if self.restore_mode == "copy":
+            t0 = time.perf_counter()
+            for n in self.trained:
+                self.views[n].copy_(self._base[n])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return {"noise_s": 0.0, "perturb_restore_s": time.perf_counter() - t0}
+        k, sign = member_noise(member, self.antithetic)
+        noise_s, other_s = self._shift(iteration, k, -sign * self.sigma)
+        return {"noise_s": noise_s, "perturb_restore_s": other_s}
+
+    @torch.no_grad()
+    def update(self, iteration: int, z: Sequence[float]) -> dict:
+        """θ ← θ + (α/N) Σ_i z_i ε_i, accumulated per block on the CPU in fp32 exactly as `ESEngine.update`
+        (same ops, same order), then added to the weights once."""
+        from deltalens.es import member_noise
+
+        coeff = [0.0] * self.n_noise
+        for i, zi in enumerate(z):
+            k, sign = member_noise(i, self.antithetic)
+            coeff[k] += sign * zi
+        scale = self.alpha / self.population
+
+        def one(block):
+            _, flat, b = block
+            noise_s = 0.0
+            t_start = time.perf_counter()
+            acc = self._buf("acc", flat.numel()).zero_()
+            for k, c in enumerate(coeff):
+                if c != 0.0:
+                    t0 = time.perf_counter()
+                    eps = self._host_noise(iteration, k, b, flat.numel())
+                    noise_s += time.perf_counter() - t0
+                    acc.add_(eps, alpha=c)
+            acc.mul_(scale)
+            sq = float(acc.double().square().sum())
+            self._add(flat, self._to_device(acc))
+            return noise_s, time.perf_counter() - t_start - noise_s, sq
+
+        t0 = time.perf_counter()
+        results = self._map(one)
+        if self._base is not None:
+            for n in self.trained:
+                self._base[n].copy_(self.views[n])
+        sq = sum(r[2] for r in results)  # fixed block order
+        noise_s, _ = _split(time.perf_counter() - t0, [(r[0], r[1]) for r in results])
+        return {"update_s": time.perf_counter() - t0, "update_noise_s": noise_s,
+                "update_rms": math.sqrt(sq / max(self.n_trained, 1))}
+
+    # -- read-out
+    def hf_tensor(self, name: str) -> torch.Tensor:
+        """A CPU copy of HF parameter `name` (HF shape) taken out of the fused weights."""
+        return self.views[name].view(self.shapes[name]).to("cpu", copy=True)
+
+    def checksum(self) -> str:
+        """`deltalens.es.weights_checksum` of the equivalent HF model (same names, order and bytes)."""
+        h = hashlib.blake2b(digest_size=16)
+        for name, _ in self.plan["all"]:
+            h.update(name.encode())
+            h.update(self.hf_tensor(name).reshape(-1).view(torch.uint8).numpy())
+        return h.hexdigest()
+
+    def export(self, path: str | None = None) -> dict[str, torch.Tensor] | str:
+        """HF-named CPU tensors of every unique parameter; written to a safetensors file if `path`."""
+        sd = {name: self.hf_tensor(name) for name, _ in self.plan["all"]}
+        if path is None:
+            return sd
+        from safetensors.torch import save_file
+
+        save_file(sd, path)
+        return path
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self._base = None
+
+
+def _cpu_count() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _split(wall: float, parts: list[tuple[float, float]]) -> tuple[float, float]:
+    """Wall time split between noise and other work in proportion to the per-block seconds."""
+    noise = sum(p[0] for p in parts)
+    other = sum(p[1] for p in parts)
+    share = noise / (noise + other) if noise + other > 0 else 0.0
+    return wall * share, wall * (1 - share)
+
+
+class ESWorkerExtension:
+    """Mixed into vLLM's GPU worker (`LLM(..., worker_extension_cls=EXTENSION)`); called through
+    `llm.collective_rpc("es_...", args=(...))`. Holds one `FusedES` on the worker's model."""
+
+    def _es_model(self):
+        runner = self.model_runner
+        get = getattr(runner, "get_model", None)
+        model = get() if callable(get) else runner.model
+        unwrap = getattr(model, "unwrap", None)  # CUDA-graph wrappers of some vLLM versions
+        return unwrap() if callable(unwrap) else model
+
+    def _es_state(self) -> FusedES:
+        es = getattr(self, "_deltalens_es", None)
+        if es is None:
+            raise DeltalensError("es_init was not called on this vLLM worker")
+        return es
+
+    def es_init(self, plan: dict) -> str:
+        """Bind the plan to this worker's weights; returns the weights' HF checksum."""
+        try:  # only where vLLM exposes its parallel state (the shape checks of FusedES catch shards anyway)
+            from vllm.distributed import get_tensor_model_parallel_world_size
+
+            tp = get_tensor_model_parallel_world_size()
+        except Exception:  # noqa: BLE001 - older/newer vLLM: no such function, or no parallel state yet
+            tp = 1
+        if tp != 1:
+            raise DeltalensError(f"ES with vLLM needs tensor_parallel_size=1 (got {tp}); run one engine per GPU")
+        old = getattr(self, "_deltalens_es", None)
+        if old is not None:
+            old.close()
+        self._deltalens_es = FusedES(dict(self._es_model().named_parameters()), plan)
+        return self._deltalens_es.checksum()
+
+    def es_perturb(self, iteration: int, member: int) -> dict:
+        return self._es_state().perturb(iteration, member)
+
+    def es_restore(self, iteration: int, member: int) -> dict:
+        return self._es_state().restore(iteration, member)
+
+    def es_update(self, iteration: int, z: list[float]) -> dict:
+        es = self._es_state()
+        out = es.update(iteration, z)
+        t0 = time.perf_counter()
+        out["checksum"] = es.checksum()
+        out["checksum_s"] = time.perf_counter() - t0
+        return out
+
+    def es_checksum(self) -> str:
+        return self._es_state().checksum()
+
+    def es_export(self, path: str) -> str:
+        return self._es_state().export(path)
+
+    def es_close(self) -> None:
+        es = getattr(self, "_deltalens_es", None)
+        if es is not None:
+            es.close()
+            self._deltalens_es = None
+
+
+# ----------------------------------------------------------------------------------------------
+# the ES member-evaluation backend (driver side)
+
+
+class VLLMESBackend:
+    """ES members evaluated on one vLLM engine (one GPU); the interface of `deltalens.es.LocalBackend`.
+
+    Per member: `es_perturb` in the worker, greedy generation of the iteration's prompts through vLLM,
+    `es_restore`. Per iteration: `es_update(iteration, z)` in the worker, which returns the checksum of
+    the equivalent HF weights. The driver's HF model (`engine.model`) is refreshed from the worker
+    (`es_export`, a safetensors file in $TMPDIR) when `sync` says so: "checkpoints" (the iterations
+    train_es saves: every `checkpoint_every` and the last), "always", or "never"; after each refresh
+    the driver's checksum must equal the worker's. `engine.generator` is replaced by the vLLM backend, so
+    the held-out evaluation of train_es runs on vLLM too.
+    """
+
+    name = "vllm"
+
+    def __init__(self, engine, model_spec: str, *, gpu_memory_utilization: float = 0.85,
+                 enforce_eager: bool = False, max_model_len: int | None = None, noise_threads: int = 0,
+                 sync: str = "checkpoints", generator: VLLMBackend | None = None, **llm_kwargs):
+        if sync not in ("checkpoints", "always", "never"):
+            raise DeltalensError(f"sync must be checkpoints, always or never (got {sync!r})")
+        cfg = engine.config
+        self.engine, self.sync = engine, sync
+        self._owns_generator = generator is None
+        self.generator = generator or VLLMBackend.from_spec(
+            model_spec, dtype=cfg.dtype, gpu_memory_utilization=gpu_memory_utilization, seed=cfg.seed,
+            enforce_eager=enforce_eager, max_model_len=max_model_len, enable_prefix_caching=False,
+            worker_extension_cls=EXTENSION, **llm_kwargs)
+        self.llm = self.generator.llm
+        try:
+            got = self._rpc("es_init", es_plan(engine, threads=noise_threads or cfg.noise_threads))
+            want = engine.checksum()
+            if any(g != want for g in got):
+                raise DeltalensError(f"vLLM loaded different weights from {model_spec} than the driver "
+                                     f"(checksum {got[0][:8]} vs {want[:8]}); load both with the same --dtype")
+        except BaseException:
+            self.close()
+            raise
+        engine.generator = self.generator  # member rewards and held-out evaluation through vLLM
+        self.last_checksum = want
+
+    def _rpc(self, method: str, *args) -> list:
+        return self.llm.collective_rpc(method, args=args)
+
+    def evaluate(self, iteration: int, problems) -> tuple[list[float], dict]:
+        from deltalens.es import iteration_problems, new_timing
+
+        cfg = self.engine.config
+        problems = problems if problems is not None else iteration_problems(self.engine.task, cfg, iteration)
+        timing = new_timing()
+        rewards = []
+        for m in range(cfg.population):
+            for k, v in self._rpc("es_perturb", iteration, m)[0].items():
+                timing[k] += v
+            self.generator.reset_prefix_cache()
+            t0 = time.perf_counter()
+            rewards.append(self.engine.score(problems))
+            timing["generation_s"] += time.perf_counter() - t0
+            for k, v in self._rpc("es_restore", iteration, m)[0].items():
+                timing[k] += v
+        self.generator.reset_prefix_cache()
+        return rewards, timing
+
+    def _sync_due(self, iteration: int) -> bool:
+        cfg = self.engine.config
+        if self.sync == "always":
+            return True
+        if self.sync == "never":
+            return False
+        return iteration >= cfg.iterations or bool(cfg.checkpoint_every and iteration % cfg.checkpoint_every == 0)
+
+    def sync_driver(self) -> str:
+        """Copy the worker's weights into the driver's HF model; returns the driver's checksum."""
+        from safetensors.torch import load_file
+
+        from deltalens.models import apply_state_dict
+
+        with tempfile.TemporaryDirectory(prefix="deltalens-es-sync-") as d:
+            path = os.path.join(d, "weights.safetensors")
+            self._rpc("es_export", path)
+            apply_state_dict(self.engine.model, load_file(path), source="vLLM weights")
+        return self.engine.checksum()
+
+    def update(self, iteration: int, z: Sequence[float]) -> dict:
+        r = self._rpc("es_update", iteration, [float(x) for x in z])[0]
+        self.generator.reset_prefix_cache()
+        out = {"update_s": r["update_s"], "update_noise_s": r["update_noise_s"], "update_rms": r["update_rms"],
+               "checksum": r["checksum"]}
+        t0 = time.perf_counter()
+        if self._sync_due(iteration):
+            got = self.sync_driver()
+            if got != r["checksum"]:
+                raise DeltalensError(f"driver weights differ from vLLM's after iteration {iteration} "
+                                     f"(checksum {got[:8]} vs {r['checksum'][:8]})")
+        out["checksum_s"] = r["checksum_s"] + time.perf_counter() - t0
+        self.last_checksum = r["checksum"]
+        return out
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                self._rpc("es_close")
+        if self._owns_generator and getattr(self, "generator", None) is not None:
+            self.generator.close()
+        self.llm = None
