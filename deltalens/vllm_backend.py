@@ -597,15 +597,23 @@ class VLLMESBackend:
     train_es saves: every `checkpoint_every` and the last), "always", or "never"; after each refresh
     the driver's checksum must equal the worker's. `engine.generator` is replaced by the vLLM backend, so
     the held-out evaluation of train_es runs on vLLM too.
+
+    GPU memory: besides vLLM's share (`gpu_memory_utilization`, default 0.7 here), the worker keeps a
+    copy of the trained weights for restore="copy" and one noise block (16 MiB) per noise thread; both
+    come out of the remaining share, so lower `gpu_memory_utilization` for large models (or use
+    restore="subtract", which keeps no copy and is not bit-exact).
     """
 
     name = "vllm"
 
-    def __init__(self, engine, model_spec: str, *, gpu_memory_utilization: float = 0.85,
+    def __init__(self, engine, model_spec: str, *, gpu_memory_utilization: float = 0.7,
                  enforce_eager: bool = False, max_model_len: int | None = None, noise_threads: int = 0,
                  sync: str = "checkpoints", generator: VLLMBackend | None = None, **llm_kwargs):
         if sync not in ("checkpoints", "always", "never"):
             raise DeltalensError(f"sync must be checkpoints, always or never (got {sync!r})")
+        from deltalens.vllm_layout import arch
+
+        arch(engine.model.config)  # an unsupported architecture fails here, before vLLM starts
         cfg = engine.config
         self.engine, self.sync = engine, sync
         self._owns_generator = generator is None

@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
           + C.table(["method"] + [f"Pass@{k}" for k in ks], rows))
     result = {"settings": s, "seeds": C.seeds_of(args), "per_seed": per, "summary": summary,
               "train_wall_s": wall, "runs": str(args.runs)}
-    C.save(args.out, "01_passk_budget", result, md)
+    C.save(args.out, "01_passk_budget_s" + "-".join(map(str, C.seeds_of(args))) + ("" if methods == list(C.METHODS) else "_" + "-".join(methods)), result, md)
     return result
 
 

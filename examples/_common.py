@@ -36,7 +36,7 @@ def parser(doc: str, seeds: str = "0,1,2") -> argparse.ArgumentParser:
     ap.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="run cache shared by the examples")
     ap.add_argument("--model", default="tiny", help="base model spec (default tiny)")
     ap.add_argument("--budget", type=float, default=None,
-                    help="compute units per method (deltalens.budget; default: 20480, quick 64)")
+                    help="compute units per method (deltalens.budget; default: 10240, quick 64)")
     ap.add_argument("--limit", type=int, default=None, help="test problems per evaluation (default 100, quick 4)")
     ap.add_argument("--samples", type=int, default=None, help="samples per problem (default 32, quick 4)")
     return ap
@@ -51,7 +51,7 @@ def settings(args) -> dict:
     if args.quick:
         s = {"N": 8, "G": 2, "P_es": 2, "P_grpo": 2, "budget": 64, "limit": 4, "samples": 4, "eval_limit": 2}
     else:
-        s = {"N": 32, "G": 8, "P_es": 16, "P_grpo": 8, "budget": 20480, "limit": 100, "samples": 32,
+        s = {"N": 32, "G": 8, "P_es": 8, "P_grpo": 8, "budget": 10240, "limit": 100, "samples": 32,
              "eval_limit": 32}
     if args.budget:
         s["budget"] = args.budget

@@ -348,6 +348,17 @@ def test_es_backend_rejects_weight_mismatch(fake_vllm):
         VLLMESBackend(engine, "tiny")
 
 
+def test_es_backend_rejects_unsupported_architecture(fake_vllm):
+    _need_tiny()
+    from deltalens.vllm_backend import VLLMESBackend
+
+    engine = _engine(_es_config())
+    engine.model.config.model_type = "gpt2"
+    with pytest.raises(DeltalensError, match="supports llama, qwen2"):
+        VLLMESBackend(engine, "tiny")
+    assert not FakeLLM.instances  # refused before any engine was started
+
+
 def test_es_backend_sync_always_and_bad_option(fake_vllm):
     _need_tiny()
     from deltalens.es import _iteration

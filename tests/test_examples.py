@@ -1,0 +1,91 @@
+"""Every numbered example runs end to end with --quick (tiny settings), so the examples never rot.
+
+The examples share one run cache (module-scoped tmp dir), as they do in real use: 01 trains the quick
+runs, 02-05 reuse them. Example 06 builds a second tiny model and trains 4 ES runs: marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str):
+    sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(name.replace(".py", ""), EXAMPLES / name)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("examples")
+    return root / "runs", root / "out"
+
+
+def run(name, dirs, *extra):
+    runs, out = dirs
+    mod = load(name)
+    result = mod.main(["--quick", "--seeds", "0", "--runs", str(runs), "--out", str(out), *extra])
+    assert isinstance(result, dict)
+    return result, out
+
+
+def test_examples_have_docstring_and_quick_flag():
+    scripts = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
+    assert [p.name[:2] for p in scripts] == [f"{i:02d}" for i in range(1, 10)]
+    for p in scripts:
+        text = p.read_text()
+        assert text.startswith('"""') and "python examples/" in text and "--quick" in text, p.name
+        assert "def main(argv=None)" in text, p.name
+
+
+def test_01_passk_and_02_to_05_reuse_runs(dirs):
+    r, out = run("01_passk_budget.py", dirs)
+    assert set(r["summary"]) == {"base", "es", "grpo", "es-grpo", "grpo-es"}
+    assert json.loads((out / "01_passk_budget_s0.json").read_text())["table_md"].startswith("Pass@K")
+    for m in ("es", "grpo"):
+        assert (dirs[0] / f"{m}-q64-N8-s0" / "checkpoints" / "final" / "config.json").exists()
+    r2, _ = run("02_distance.py", dirs)
+    assert r2["per_seed"][0]["es_rel_l2"] > 0 and r2["per_seed"][0]["grpo_rel_l2"] > 0
+    r4, _ = run("04_topk_groups.py", dirs)
+    assert sum(r4["summed"]["es"]["abs"].values()) == 100
+    r3, _ = run("03_sparsify.py", dirs)
+    pts = r3["per_seed"][0]["es"]["points"]
+    assert [round(p["target_sparsity"], 2) for p in pts] == [0.5, 0.9]
+    r5, _ = run("05_held_out.py", dirs, "--methods", "es,grpo", "--tasks", "arith-3")
+    assert set(r5["results"]) == {"base", "es", "grpo"}
+
+
+def test_07_two_point(dirs):
+    r, _ = run("07_two_point.py", dirs)
+    (row,) = r["results"]
+    assert row["pairs"] == 4 and len(row["plus"]) == len(row["minus"]) == 4
+
+
+def test_08_diversity_sigma(dirs):
+    r, _ = run("08_diversity_sigma.py", dirs)
+    assert [x["sigma"] for x in r["results"]] == [1e-3, 3e-3]
+    assert all(x["js_max"] > 0 for x in r["results"])
+
+
+def test_09_precision(dirs):
+    r, _ = run("09_precision.py", dirs)
+    rows = r["results"][0]
+    assert {(x["method"], x["dtype"]) for x in rows} == {(m, d) for m in ("es", "grpo") for d in ("fp32", "bf16")}
+    assert all(0 <= x["frac_changed"] <= 1 and sum(x["top_rel"].values()) <= 100 for x in rows)
+    assert (dirs[0] / "base-bf16" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_06_population_scale(dirs):
+    r, _ = run("06_population_scale.py", dirs)
+    assert set(r["summary"]) == {"tiny", "large"}
+    assert set(r["results"]["tiny"]) == {8, 16}
