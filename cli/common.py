@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -37,7 +38,7 @@ Config = Annotated[str | None, typer.Option("--config", help="architecture for b
 Dtype = Annotated[str, typer.Option("--dtype", help="model dtype: fp32, bf16, fp16")]
 JsonOut = Annotated[Path | None, typer.Option("--json", help="write results as JSON to this file")]
 MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="generation budget (default: task's)")]
-Backend = Annotated[str, typer.Option("--backend", help="generation backend: hf (vllm later)")]
+Backend = Annotated[str, typer.Option("--backend", help="generation backend: hf, or vllm on GPUs (pip install 'deltalens[vllm]')")]
 ChatTemplate = Annotated[bool, typer.Option("--chat-template/--no-chat-template",
                                             help="wrap prompts in the tokenizer's chat template")]
 
@@ -52,7 +53,7 @@ def guard(fn):
         except DeltalensError as e:
             if os.environ.get("DELTALENS_DEBUG") == "1":
                 raise
-            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=2) from None
         except KeyboardInterrupt:
             console.print("interrupted")

@@ -26,7 +26,7 @@ def demo(
             tid = bar.add_task(desc, total=total)
             return lambda done, _t=None: bar.update(tid, completed=done)
 
-        doc = run_demo(cfg, progress_factory=factory, log=lambda s: c.console.print(f"[dim]{s}[/]"))
+        doc = run_demo(cfg, progress_factory=factory, log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"))
     table = Table(title=f"deltalens demo: {doc['evals']['base']['task']}, {limit} test problems x {samples} samples")
     ks = list(doc["evals"]["base"]["pass_at_k"])
     table.add_column("model")

@@ -100,7 +100,7 @@ def print_diff(doc: dict) -> None:
             c.console.print(f"top-{d['topk']['k']} |Δ| by group: {comp or '-'}")
         c.console.print(f"whole-model distance ||θ-θ0||/||θ0|| = {_fmt(d['whole']['rel_l2'], '.4e')}")
         for w in d["warnings"]:
-            c.console.print(f"[yellow]warning ({label}):[/] {w}", highlight=False)
+            c.console.print(f"[yellow]warning ({c.escape(label)}):[/] {c.escape(w)}", highlight=False)
     for r in doc["ratios"]:
         c.console.print(f"rel_l2 ratio {r['a']} / {r['b']} = {_fmt(r['rel_l2_ratio'], '.3g')}")
 

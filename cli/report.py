@@ -67,7 +67,7 @@ def report(
                              sparsity_targets=targets, diversity=diversity,
                              held_out=[h for h in (held_out or "").split(",") if h], config=config,
                              cache_dir=None if no_cache else out.with_suffix(".cache"),
-                             log=lambda s: c.console.print(f"[dim]{s}[/]"), progress_factory=factory)
+                             log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"), progress_factory=factory)
     write_json_atomic(doc, out.with_suffix(".json"))
     render_report(doc, out)
     c.console.print(f"wrote {out} (analysis: {out.with_suffix('.json')})")

@@ -252,11 +252,21 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
               "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "models": [], "evals": {}}
     for spec, label in zip(specs, labels):
-        model, tok = load_model(spec, config=config, dtype=dtype)
-        be = make_backend(backend, model, tok, chat_template=chat_template)
+        if backend == "vllm":  # vLLM loads its own weights: no HF copy of the model in memory
+            from deltalens.vllm_backend import VLLMBackend
+
+            be = VLLMBackend.from_spec(spec, dtype=dtype, config=config, chat_template=chat_template)
+            model, tok = None, be.tok
+        else:
+            model, tok = load_model(spec, config=config, dtype=dtype)
+            be = make_backend(backend, model, tok, chat_template=chat_template)
         prog = progress_factory(label, len(task.test(limit)) * samples) if progress_factory else None
-        res = evaluate(model, tok, task, samples=samples, ks=ks, temperature=temperature, limit=limit,
-                       max_new_tokens=max_new_tokens, seed=seed, backend=be, progress=prog)
+        try:
+            res = evaluate(model, tok, task, samples=samples, ks=ks, temperature=temperature, limit=limit,
+                           max_new_tokens=max_new_tokens, seed=seed, backend=be, progress=prog)
+        finally:
+            if hasattr(be, "close"):
+                be.close()  # frees the GPU before the next model
         res["model"] = spec
         result["models"].append({"label": label, "path": spec, "kind": "checkpoint", "method": None})
         result["evals"][label] = res

@@ -4,7 +4,7 @@ The interface is one method, `generate(prompts, params) -> list[list[str]]` (out
 `params.n` completions of that prompt, prompt text excluded). The `hf` backend batches every
 (prompt, sample) pair through transformers' `generate` with a KV cache and left padding, groups prompts
 of equal token length so little padding is computed, and stops each sequence at EOS. A vLLM backend can
-sit behind the same interface.
+sits behind the same interface (`deltalens.vllm_backend.VLLMBackend`, `--backend vllm`).
 
 Seeding: batch b is sampled after `torch.manual_seed(seed + b)`, so a call is reproducible for a fixed
 batch size; changing the batch size changes which random numbers a sample sees (not its distribution).
@@ -111,12 +111,14 @@ class HFBackend:
         return out
 
 
-BACKENDS = {"hf": HFBackend}
+BACKENDS = {"hf": HFBackend, "vllm": None}  # vllm: deltalens.vllm_backend.VLLMBackend (GPU machines)
 
 
 def make_backend(name: str, model, tokenizer, **kw) -> GenerationBackend:
     if name == "vllm":
-        raise DeltalensError("the vllm backend is not available yet in this version; use --backend hf")
+        from deltalens.vllm_backend import VLLMBackend  # imports vllm lazily; clear error without it
+
+        return VLLMBackend.from_model(model, tokenizer, **kw)
     if name not in BACKENDS:
         raise DeltalensError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     return BACKENDS[name](model, tokenizer, **kw)
