@@ -108,7 +108,7 @@ def run_demo(cfg: DemoConfig, progress_factory=None, log: Callable[[str], None] 
     targets = [float(x) for x in cfg.sparsity.split(",") if x.strip()]
     doc = build_analysis(
         cfg.model, models, labels=["es", "grpo", "es-grpo"], task=cfg.task, samples=cfg.samples,
-        ks=parse_ks(cfg.ks), limit=cfg.limit, seed=cfg.seed, sparsity_targets=targets,
+        ks=sorted({k for k in parse_ks(cfg.ks) if k <= cfg.samples} | {1, cfg.samples}), limit=cfg.limit, seed=cfg.seed, sparsity_targets=targets,
         held_out=[h for h in cfg.held_out.split(",") if h], diversity=True,
         diversity_opts={"members": cfg.diversity_members, "prompts": cfg.diversity_prompts},
         diversity_models=["es"], sparsify_models=["es", "grpo"],

@@ -103,6 +103,18 @@ class RunDir:
         write_json_atomic({**state, "checkpoint": name}, self.path / "state.json")
         return out
 
+    def reopen_final(self, state: dict) -> dict:
+        """Continue a finished run: copy checkpoints/final to iter-<k>, point state.json at it, then drop
+        final, so `final` only ever names the weights of a finished run (`load_model(run)` loads it).
+        Each step leaves a consistent directory. Returns the new state."""
+        name = f"iter-{state['iteration']:06d}"
+        with atomic_dir(self.ckpt / name) as tmp:
+            shutil.copytree(self.ckpt / "final", tmp, dirs_exist_ok=True)
+        state = {**state, "checkpoint": name}
+        write_json_atomic(state, self.path / "state.json")
+        shutil.rmtree(self.ckpt / "final")
+        return state
+
     def latest(self) -> Path | None:
         st = self.state()
         if st and (self.ckpt / st["checkpoint"] / "config.json").exists():

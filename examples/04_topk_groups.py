@@ -63,7 +63,7 @@ def main(argv=None) -> dict:
     md = (f"Top-{100} coordinates per group, summed over seeds {C.seeds_of(args)} "
           f"({len(C.seeds_of(args))} x 100 coordinates per column)\n\n" + render(total))
     result = {"settings": s, "per_seed": per, "summed": total}
-    C.save(args.out, "04_topk_groups", result, md)
+    C.save(args.out, "04_topk_groups_s" + "-".join(map(str, C.seeds_of(args))) + "_" + "-".join(methods), result, md)
     return result
 
 

@@ -76,7 +76,7 @@ def grpo_config(s: dict, seed: int, model: str = "tiny", **over):
 
     base = dict(model=model, num_generations=s["G"], prompts_per_step=s["P_grpo"], seed=seed,
                 eval_every=0, save_every=0)
-    return GRPORunConfig.preset("tiny", **{**base, **over})
+    return GRPORunConfig.preset("tiny" if model == "tiny" or "tiny" in str(model) else "paper", **{**base, **over})
 
 
 def final_exists(run: Path) -> bool:
