@@ -1,14 +1,15 @@
 """Claim 1: Pass@1/16/32 of base, ES, GRPO, ES->GRPO and GRPO->ES at FLOP-matched budgets (N = 4G).
 
-    python examples/01_passk_budget.py --seeds 0,1,2            # tiny, budget 20480 units per method
+    python examples/01_passk_budget.py --seeds 0,1,2            # tiny, budget 10240 units per method
     python examples/01_passk_budget.py --quick --seeds 0         # seconds (tests)
 
-Each method gets the same compute (deltalens.budget: ES N=32 x P=16 prompts = 1024 units/iteration,
-GRPO G=8 x P=8 = 512 units/step; default budget 20480 = 20 ES iterations = 40 GRPO steps; the sequences
+Each method gets the same compute (deltalens.budget: ES N=32 x P=8 prompts = 512 units/iteration,
+GRPO G=8 x P=8 = 512 units/step; default budget 10240 = 20 ES iterations = 20 GRPO steps; the sequences
 split it half/half). Every model is evaluated on the same 100 `arith` test problems x 32 samples (T=0.6).
-Cost on 2 shared CPU cores: about 4-6 min of training + 1-2 min of evaluation per seed.
+Cost on 2 shared CPU cores: per seed ES ~4 min, GRPO ~35 s, each sequence ~100 s, ~15-20 s per evaluation
+(~9 min per seed for all four methods).
 Runs are cached in --runs and reused by examples 02-05.
-Writes <out>/01_passk_budget.json: per method, per seed Pass@K, and mean ± std over seeds.
+Writes <out>/01_passk_budget_s<seeds>[_<methods>].json: per method, per seed Pass@K, and mean ± std over seeds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
 
 def main(argv=None) -> dict:

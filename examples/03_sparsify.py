@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
 
 def main(argv=None) -> dict:
@@ -45,8 +45,9 @@ def main(argv=None) -> dict:
 
             sec = C.eval_cached(args.runs, f"sparsify-{run.name}-{args.task}-{s['limit']}-{s['samples']}-"
                                 + "_".join(map(str, targets)),
-                                lambda: sparsify_sweep(base, str(resolve(str(run))[1]), [], evaluate_fn,
-                                                       sparsities=targets, label=m, task=args.task))
+                                lambda run=run, m=m, fn=evaluate_fn: sparsify_sweep(
+                                    base, str(resolve(str(run))[1]), [], fn, sparsities=targets, label=m,
+                                    task=args.task))
             per.setdefault(seed, {})[m] = sec[m]
             ks = [str(k) for k in sec[m]["ks"]]
             rows.append([seed, m, "0 (full)", "1.000"] + [C.fmt(sec[m]["full_pass_at_k"][k]) for k in ks] + ["1.000"])

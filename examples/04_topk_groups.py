@@ -7,7 +7,7 @@ The paper reports that ES's largest changes concentrate in normalization weights
 (and the sequences), the count of top-100 coordinates per parameter group (embed, attn_*, mlp_*, norm,
 lm_head), under the absolute ranking and the relative one, summed over seeds. Also each group's share of
 all parameters (what a uniform spread would give). Cost: seconds once the runs exist.
-Writes <out>/04_topk_groups.json.
+Writes <out>/04_topk_groups_s<seeds>_<methods>.json.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
 
 def composition_rows(diff: dict, label: str) -> dict:
@@ -33,7 +33,7 @@ def render(comps: dict[str, dict]) -> str:
     rows = []
     for g in groups:
         row = [g, f"{100 * share.get(g, 0):.1f}%"]
-        for lab, c in comps.items():
+        for c in comps.values():
             row += [c["abs"].get(g, 0), c["rel"].get(g, 0)]
         rows.append(row)
     header = ["group", "share of params"] + [f"{lab} {r}" for lab in comps for r in ("|Δ|", "|Δ|/|θ0|")]

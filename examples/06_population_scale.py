@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
 
 def build_large(runs: Path, quick: bool) -> Path:
@@ -73,13 +73,13 @@ def main(argv=None) -> dict:
                 res.setdefault(name, {}).setdefault(n, []).append({"seed": seed, "start": p0, "end": p1,
                                                                    "gain": p1 - p0})
     summary = {}
-    for name in res:
-        gains = {n: C.mean_std([r["gain"] for r in v]) for n, v in res[name].items()}
+    for name, by_n in res.items():
+        gains = {n: C.mean_std([r["gain"] for r in v]) for n, v in by_n.items()}
         best = max(g[0] for g in gains.values())
         needed = next((n for n in sorted(gains) if best > 0 and gains[n][0] >= 0.8 * best), None)
         summary[name] = {"gains": gains, "needed_N": needed}
         for n in sorted(gains):
-            rows.append([name, n, C.fmt(res[name][n][0]["start"]), C.fmt(*gains[n]),
+            rows.append([name, n, C.fmt(by_n[n][0]["start"]), C.fmt(*gains[n]),
                          needed if n == needed else ""])
     md = (f"ES population sweep, {iters} iterations, greedy held-out Pass@1 on {elimit} problems\n\n"
           + C.table(["model", "N", "Pass@1 start", "gain (mean ± std)", "needed N (80% of best)"], rows))

@@ -1,7 +1,7 @@
 """Claim 7 (the two-point question): are the rewards of θ+σε and θ-σε correlated, so that antithetic
 (paired) ES estimates have lower variance than independent ones?
 
-    python examples/07_two_point.py --seeds 0 --pairs 32 --sigma 1e-3     # ~3-5 min on 2 shared cores
+    python examples/07_two_point.py --seeds 0 --pairs 16 --prompts 16 --sigma 1e-3   # ~15-30 s per seed and σ (2 cores)
     python examples/07_two_point.py --quick --seeds 0                      # seconds (tests)
 
 At the base model (tiny) and σ (default 1e-3, as asked; the tiny preset trains with 3e-3), draw K noise
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import _common as C
 
 
 def pearson(a, b):

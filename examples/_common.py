@@ -66,16 +66,16 @@ def settings(args) -> dict:
 def es_config(s: dict, seed: int, model: str = "tiny", **over):
     from deltalens.es import ESConfig
 
-    base = dict(model=model, population=s["N"], prompts_per_iteration=s["P_es"], seed=seed,
-                eval_every=0, checkpoint_every=0)
+    base = {"model": model, "population": s["N"], "prompts_per_iteration": s["P_es"], "seed": seed,
+            "eval_every": 0, "checkpoint_every": 0}
     return ESConfig.preset("tiny" if model == "tiny" or "tiny" in str(model) else "paper", **{**base, **over})
 
 
 def grpo_config(s: dict, seed: int, model: str = "tiny", **over):
     from deltalens.grpo import GRPORunConfig
 
-    base = dict(model=model, num_generations=s["G"], prompts_per_step=s["P_grpo"], seed=seed,
-                eval_every=0, save_every=0)
+    base = {"model": model, "num_generations": s["G"], "prompts_per_step": s["P_grpo"], "seed": seed,
+            "eval_every": 0, "save_every": 0}
     return GRPORunConfig.preset("tiny" if model == "tiny" or "tiny" in str(model) else "paper", **{**base, **over})
 
 
@@ -106,14 +106,16 @@ def ensure_run(runs: Path, method: str, seed: int, s: dict, quick: bool, *, mode
     gr_c = grpo_config(s, seed, model, dtype=dtype)
     log(f"train {run.name}")
     if method == "es":
-        from deltalens.es import train_es
         import dataclasses
+
+        from deltalens.es import train_es
 
         es_c = dataclasses.replace(es_c, iterations=iterations_for_budget(s["budget"], s["P_es"], s["N"]))
         train_es(es_c, run, overwrite=True)
     elif method == "grpo":
-        from deltalens.grpo import train_grpo
         import dataclasses
+
+        from deltalens.grpo import train_grpo
 
         gr_c = dataclasses.replace(gr_c, steps=steps_for_budget(s["budget"], s["P_grpo"], s["G"]))
         train_grpo(gr_c, run, overwrite=True)
