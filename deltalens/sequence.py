@@ -251,10 +251,11 @@ def train_cli(opts: dict, progress) -> Path:
     if frac is not None:
         if not 0 < frac < 1:
             raise DeltalensError(f"--es-fraction must be in (0, 1) (got {frac})")
-        fractions = [frac, 1 - frac]
+        fractions = [frac, 1 - frac] if opts.get("method", "es-grpo").startswith("es") else [1 - frac, frac]
     es_cfg = ESConfig.preset(preset if preset in ("tiny", "paper") else "paper", **es)
     gr_cfg = GRPORunConfig.preset(preset if preset in ("tiny", "paper") else "paper", **gr)
-    return train_sequence(out, ["es", "grpo"], model=model, task=opts.get("task") or "arith", data=opts.get("data"),
+    methods = (opts.get("method") or "es-grpo").split("-")
+    return train_sequence(out, methods, model=model, task=opts.get("task") or "arith", data=opts.get("data"),
                           question_field=opts.get("question_field") or "question",
                           answer_field=opts.get("answer_field") or "answer", budget=budget, fractions=fractions,
                           es_config=es_cfg, grpo_config=gr_cfg, overwrite=bool(opts.get("overwrite")),
