@@ -243,6 +243,9 @@ class GRPORunConfig:
 # On a less trained snapshot (SFT step 500, base 0.144/0.565) lr 2e-5 gained +0.02 in 200 steps, 5e-5
 # +0.02, and 1e-4 lowered both Pass@1 and Pass@8. So: lr 5e-5, 200 steps (Pass@1 has plateaued by
 # 200-300 steps; Pass@8 rises and then stays flat).
+# Measured with that preset (`deltalens train --method grpo --model tiny`, 2.7 CPU-minutes on one core),
+# `deltalens eval` 200 test problems x 32 samples, T = 0.6: Pass@1/16/32 0.275/0.788/0.855 (base) ->
+# 0.498/0.840/0.880, Maj@32 0.365 -> 0.590.
 PRESETS: dict[str, dict] = {
     "paper": {},
     "tiny": {"learning_rate": 5e-5, "prompts_per_step": 8, "num_generations": 8, "steps": 200,
