@@ -236,6 +236,9 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
         from deltalens.diversity import diversity_section
 
         div = {}
+        if diversity_models is None:  # ES runs (their own seeds and σ); if there are none, every model
+            es_runs = [lab for lab, m in zip(labels, models) if model_entry(lab, m)["method"] == "es"]
+            diversity_models = es_runs or list(labels)
         for lab, spec in zip(labels, models):
             if diversity_models is not None and lab not in diversity_models:
                 continue
