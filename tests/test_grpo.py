@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -25,15 +24,8 @@ from deltalens.grpo import (
 
 
 def tiny_spec() -> str:
-    """The bundled tiny model; DELTALENS_TEST_TINY=<dir> substitutes another (e.g. a build snapshot)."""
-    from deltalens.tiny import MODEL_DIR
-
-    if (MODEL_DIR / "config.json").exists():
-        return "tiny"
-    alt = os.environ.get("DELTALENS_TEST_TINY")
-    if alt:
-        return alt
-    pytest.skip("bundled tiny model missing (python -m deltalens.tiny.build)")
+    """The bundled tiny model (shipped with the package)."""
+    return "tiny"
 
 
 def fast(**kw) -> GRPORunConfig:
