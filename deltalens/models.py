@@ -175,6 +175,12 @@ def load_model(spec: str = "tiny", *, config: str | None = None, dtype: str = "f
             raise DeltalensError(f"--config is only for bare weight files (.pt/.safetensors), not {spec}")
         tok = load_tokenizer(kind, loc)
         model = _from_pretrained(kind, loc, td)
+        if kind == "gguf":
+            # transformers dequantises GGUF weights into plain tensors but keeps a "gguf quantizer" on
+            # the model that refuses save_pretrained; the weights are ordinary now, so drop it.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
     model.to(device)
     model.eval()
     return model, tok

@@ -139,3 +139,13 @@ def test_cli_eval_bad_input_exits_2(tmp_path):
     assert "no such file" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["eval", "tiny", "--k", "1,64"])
     assert r.exit_code == 2 and "exceeds --samples" in r.output
+
+
+def test_gguf_model_can_be_saved_as_hf_checkpoint(smollm2, tmp_path):
+    """Training from the GGUF writes HF checkpoints: the dequantised model must be serialisable."""
+    model, tok = load_model(str(smollm2))
+    model.save_pretrained(tmp_path / "ck", safe_serialization=True)
+    tok.save_pretrained(tmp_path / "ck")
+    again, _ = load_model(str(tmp_path / "ck"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(again.state_dict()[name], model.state_dict()[name])
