@@ -179,6 +179,9 @@ def load_model(spec: str = "tiny", *, config: str | None = None, dtype: str = "f
             # transformers dequantises GGUF weights into plain tensors but keeps a "gguf quantizer" on
             # the model that refuses save_pretrained; the weights are ordinary now, so drop it.
             model.hf_quantizer = None
+            model.is_quantized = False  # else Trainer (GRPO) refuses it as a "purely quantized" model
+            if hasattr(model, "quantization_method"):
+                model.quantization_method = None
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
     model.to(device)
