@@ -210,22 +210,6 @@ def evaluate_state_dict(base_model_spec: str, state_dict: dict[str, torch.Tensor
     return evaluate(model, tok, t, samples=samples, ks=ks, temperature=temperature, limit=limit, seed=seed)
 
 
-def model_label(spec: str, taken: set[str]) -> str:
-    """A short label for a model spec: 'tiny', a file/dir stem, or a hub id's last part; made unique."""
-    from pathlib import Path
-
-    p = Path(spec)
-    base = p.stem if p.suffix else p.name or spec
-    if base in ("final", "model") or base.startswith("iter-"):
-        parts = [x for x in p.parts if x not in ("checkpoints",)]
-        base = "-".join(parts[-2:]) if len(parts) >= 2 else base
-    label, i = base, 2
-    while label in taken:
-        label, i = f"{base}-{i}", i + 1
-    taken.add(label)
-    return label
-
-
 def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] | None = None,
                     config: str | None = None, dtype: str = "fp32", samples: int = 32,
                     ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6, limit: int | None = None,
@@ -246,8 +230,9 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
         raise DeltalensError(f"--k {max(ks)} exceeds --samples {samples}; raise --samples or lower --k")
     if labels is not None and len(labels) != len(specs):
         raise DeltalensError(f"got {len(labels)} labels for {len(specs)} models; give one --label per model")
-    taken: set[str] = set()
-    labels = list(labels) if labels else [model_label(s, taken) for s in specs]
+    from deltalens.delta import default_labels
+
+    labels = list(labels) if labels else default_labels(list(specs))
     result = {"schema_version": 1, "deltalens_version": __version__,
               "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "models": [], "evals": {}}
