@@ -245,6 +245,16 @@ def member_noise(member: int, antithetic: bool) -> tuple[int, int]:
     return (member // 2, -1 if member % 2 else 1) if antithetic else (member, 1)
 
 
+def noise_coefficients(z: Sequence[float], n_noise: int, antithetic: bool) -> list[float]:
+    """c_k = Σ_{members i using ε_k} sign_i z_i: the weight of noise vector k in the update (the
+    same fold, in the same order, on every backend so their sums round identically)."""
+    coeff = [0.0] * n_noise
+    for i, zi in enumerate(z):
+        k, sign = member_noise(i, antithetic)
+        coeff[k] += sign * zi
+    return coeff
+
+
 def fitness_shaping(rewards: Sequence[float], method: str = "zscore") -> list[float]:
     """Shaped fitness z_i from member rewards R_i (float64 Python, deterministic).
 
@@ -487,10 +497,7 @@ class ESEngine:
         """θ ← θ + (α/N) Σ_i z_i ε_i: per block, one pass over the noise vectors into an fp32
         accumulator, rounded to the weight dtype once. Returns timings and the update's RMS."""
         cfg = self.config
-        coeff = [0.0] * self.n_noise  # c_k = Σ_{members i using ε_k} sign_i z_i
-        for i, zi in enumerate(z):
-            k, sign = member_noise(i, cfg.antithetic)
-            coeff[k] += sign * zi
+        coeff = noise_coefficients(z, self.n_noise, cfg.antithetic)
         scale = cfg.alpha / cfg.population
 
         def block_update(block):

@@ -445,12 +445,9 @@ class FusedES:
     def update(self, iteration: int, z: Sequence[float]) -> dict:
         """θ ← θ + (α/N) Σ_i z_i ε_i, accumulated per block on the CPU in fp32 exactly as `ESEngine.update`
         (same ops, same order), then added to the weights once."""
-        from deltalens.es import member_noise
+        from deltalens.es import noise_coefficients
 
-        coeff = [0.0] * self.n_noise
-        for i, zi in enumerate(z):
-            k, sign = member_noise(i, self.antithetic)
-            coeff[k] += sign * zi
+        coeff = noise_coefficients(z, self.n_noise, self.antithetic)
         scale = self.alpha / self.population
 
         def one(block):
