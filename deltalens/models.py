@@ -15,7 +15,6 @@ through `deltalens.checkpoint`, the one module that owns weight I/O.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -187,9 +186,3 @@ def load_model(spec: str = "tiny", *, config: str | None = None, dtype: str = "f
     model.to(device)
     model.eval()
     return model, tok
-
-
-def default_threads() -> None:
-    """Use every core for intra-op work unless the user set OMP_NUM_THREADS."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(os.cpu_count() or 1)
