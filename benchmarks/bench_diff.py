@@ -166,6 +166,8 @@ def phase_read(base: Path, ckpt: Path) -> dict:
 
 
 def phase_diff(base: Path, ckpt: Path) -> dict:
+    import rich.progress  # noqa: F401 - the progress bar's import is a one-off cost, not throughput
+
     from deltalens.checkpoint import open_tensors
     from deltalens.delta import diff_checkpoints
 

@@ -135,6 +135,43 @@ def test_chunking_gives_same_answer(monkeypatch):
         dd[dd.abs().argsort(descending=True)[:20]].tolist())
 
 
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 22])
+def test_reduction_matches_naive_reference(monkeypatch, chunk):
+    """The fused, buffer-reusing reduction against plain formulas: counts, sums, both top-k lists
+    and the zero-base count, on tensors with unchanged coordinates, zero bases and ties at tol."""
+    monkeypatch.setattr(delta, "CHUNK", chunk)
+    g = torch.Generator().manual_seed(3)
+    base, ckpt = {}, {}
+    for name, shape in [(Q0, (31, 9)), (NORM, (40,)), (DOWN1, (12, 17)), (EMB, (3, 5))]:
+        b = torch.randn(shape, generator=g)
+        b[torch.rand(shape, generator=g) < 0.1] = 0.0                      # exact zero bases
+        step = torch.randn(shape, generator=g) * 10.0 ** torch.randint(-6, 0, shape, generator=g)
+        step[torch.rand(shape, generator=g) < 0.3] = 0.0                   # unchanged coordinates
+        base[name], ckpt[name] = b, b + step
+    ckpt[Q0].view(-1)[:4] = base[Q0].view(-1)[:4] + 0.25                   # |Δ| == tol exactly: not above
+    tol, k = 0.25, 15
+    r = diff_sources(DictSource(base), DictSource(ckpt), tol=tol, topk=k)
+    b = torch.cat([base[n].reshape(-1) for n in base]).double()
+    d = torch.cat([(ckpt[n] - base[n]).reshape(-1) for n in base]).double()   # Δ as float32 computes it
+    a = d.abs()
+    w = r["whole"]
+    assert w["n"] == d.numel()
+    assert w["frac_changed"] * d.numel() == pytest.approx(int((a > 0).sum()), abs=1e-6)
+    assert w["frac_above_tol"] * d.numel() == pytest.approx(int((a > tol).sum()), abs=1e-6)
+    assert w["l2"] == pytest.approx(float(d.norm()), rel=1e-6)
+    assert w["mean_abs"] == pytest.approx(float(a.mean()), rel=1e-6)
+    assert w["max_abs"] == pytest.approx(float(a.max()), rel=1e-7)
+    assert [abs(e["delta"]) for e in r["topk"]["abs"]["entries"]] == pytest.approx(
+        a[a > 0].sort(descending=True).values[:k].tolist(), rel=1e-6)
+    ok = (b != 0) & (a > 0)
+    rel = (a[ok] / b[ok].abs()).sort(descending=True).values[:k]
+    got = [abs(e["delta"]) / abs(e["base"]) for e in r["topk"]["rel"]["entries"]]
+    assert got == pytest.approx(rel.tolist(), rel=1e-5)
+    n_zero = int(((b == 0) & (a > 0)).sum())
+    assert n_zero > 0 and any(w_.startswith(f"{n_zero} changed coordinates have base value 0")
+                              for w_ in r["warnings"])
+
+
 def test_nan_inf_reported_and_excluded():
     base = {Q0: torch.ones(4), NORM: torch.ones(2)}
     ckpt = {Q0: torch.tensor([1.0, float("nan"), float("inf"), 2.0]), NORM: torch.ones(2)}
