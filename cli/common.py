@@ -39,6 +39,7 @@ Dtype = Annotated[str, typer.Option("--dtype", help="model dtype: fp32, bf16, fp
 JsonOut = Annotated[Path | None, typer.Option("--json", help="write results as JSON to this file")]
 MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="generation budget (default: task's)")]
 Backend = Annotated[str, typer.Option("--backend", help="generation backend: hf, or vllm on GPUs (pip install 'deltalens[vllm]')")]
+Device = Annotated[str, typer.Option("--device", help="where the HF backend runs the model: cpu, cuda, cuda:N, auto")]
 ChatTemplate = Annotated[bool, typer.Option("--chat-template/--no-chat-template",
                                             help="wrap prompts in the tokenizer's chat template")]
 

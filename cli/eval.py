@@ -28,6 +28,7 @@ def eval_cmd(
     seed: c.Seed = 0,
     backend: c.Backend = "hf",
     chat_template: c.ChatTemplate = False,
+    device: c.Device = "auto",
 ):
     """Evaluate Pass@K and Maj@K (unbiased estimator, n samples per problem) and print a table."""
     from deltalens.checkpoint import write_json_atomic
@@ -42,7 +43,7 @@ def eval_cmd(
 
         result = evaluate_models(models, t, labels=label, config=config, dtype=dtype, samples=samples, ks=k,
                                  temperature=temperature, limit=limit, max_new_tokens=max_new_tokens,
-                                 seed=seed, backend=backend, chat_template=chat_template,
+                                 seed=seed, backend=backend, chat_template=chat_template, device=device,
                                  progress_factory=factory)
     first = next(iter(result["evals"].values()))
     table = Table(title=f"{t.name}: {first['n_problems']} problems x {samples} samples, T={temperature}")

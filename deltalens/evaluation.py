@@ -214,8 +214,10 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
                     config: str | None = None, dtype: str = "fp32", samples: int = 32,
                     ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6, limit: int | None = None,
                     max_new_tokens: int | None = None, seed: int = 0, backend: str = "hf",
-                    chat_template: bool = False, progress_factory=None) -> dict:
+                    chat_template: bool = False, progress_factory=None, device: str = "auto") -> dict:
     """Evaluate each model on `task`; returns an analysis.json-shaped dict with `models` and `evals`.
+
+    device: where the HF backend runs the model (cpu, cuda, cuda:N, auto); vLLM places its own.
 
     progress_factory(label, total) -> callable(done, total), or None for no progress reporting.
     """
@@ -243,7 +245,7 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
             be = VLLMBackend.from_spec(spec, dtype=dtype, config=config, chat_template=chat_template)
             model, tok = None, be.tok
         else:
-            model, tok = load_model(spec, config=config, dtype=dtype)
+            model, tok = load_model(spec, config=config, dtype=dtype, device=device)
             be = make_backend(backend, model, tok, chat_template=chat_template)
         prog = progress_factory(label, len(task.test(limit)) * samples) if progress_factory else None
         try:

@@ -153,8 +153,24 @@ def apply_state_dict(model, state_dict: dict[str, torch.Tensor], source: str = "
             own[k].copy_(v.to(own[k].dtype))
 
 
+def resolve_device(device: str = "auto") -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; 'cpu', 'cuda', 'cuda:N' are checked."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise DeltalensError(f"--device {device}: no CUDA GPU is visible to torch {torch.__version__}; "
+                                 "use --device cpu (or install a CUDA build of torch)")
+        return device
+    raise DeltalensError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N")
+
+
 def load_model(spec: str = "tiny", *, config: str | None = None, dtype: str = "fp32", device: str = "cpu"):
-    """Load (model, tokenizer) from any supported spec; the model is in eval mode on `device`."""
+    """Load (model, tokenizer) from any supported spec; the model is in eval mode on `device`
+    (cpu, cuda, cuda:N or auto)."""
+    device = resolve_device(device)
     kind, loc = resolve(spec)
     td = torch_dtype(dtype)
     if kind == "weights":

@@ -149,3 +149,23 @@ def test_gguf_model_can_be_saved_as_hf_checkpoint(smollm2, tmp_path):
     again, _ = load_model(str(tmp_path / "ck"))
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(again.state_dict()[name], model.state_dict()[name])
+
+
+def test_device_resolution():
+    from deltalens.models import resolve_device
+
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(DeltalensError, match="unknown device 'tpu'"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeltalensError, match="no CUDA GPU is visible"):
+            resolve_device("cuda:0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a CPU-only machine gives")
+def test_cli_eval_cuda_without_gpu_exits_2():
+    from deltalens.cli.main import app
+
+    r = CliRunner().invoke(app, ["eval", "tiny", "--limit", "1", "--samples", "1", "--k", "1", "--device", "cuda"])
+    assert r.exit_code == 2 and "no CUDA GPU is visible" in r.output
