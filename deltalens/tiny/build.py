@@ -1,6 +1,8 @@
 """Build the bundled tiny base model: a char-level Llama SFT'd on the `arith` task.
 
-    python -m deltalens.tiny.build --out deltalens/tiny/model            # ~5 min on 2 CPU cores
+    python -m deltalens.tiny.build --out deltalens/tiny/model            # ~20 min on 2 CPU cores
+    python -m deltalens.tiny.build --out tiny-l --hidden 256 --intermediate 704 --device cuda
+                                                  # a 4x larger sibling (claim 6: two model sizes)
 
 Deterministic: fixed seeds, fixed data stream, single-threaded-safe ops, so the same torch version on
 the same CPU rebuilds the same weights (BLAS differences across machines can change the last bits).
@@ -51,6 +53,7 @@ def build_tokenizer():
 
 def build_config(vocab_size: int, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2,
                  intermediate: int = 352):
+    """Llama config; head_dim = hidden / heads (32 for the bundled model)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -81,13 +84,15 @@ def encode_batch(tok, problems, device="cpu"):
 
 
 def train(out: Path, steps: int, batch: int, lr: float, seed: int, horizon: int, snapshot_every: int = 0,
-          hidden: int = 128, layers: int = 4, intermediate: int = 352, log=print) -> dict:
+          hidden: int = 128, layers: int = 4, intermediate: int = 352, heads: int = 4, kv_heads: int = 2,
+          device: str = "cpu", log=print) -> dict:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     tok = build_tokenizer()
-    config = build_config(len(tok), hidden=hidden, layers=layers, intermediate=intermediate)
-    model = LlamaForCausalLM(config)
+    config = build_config(len(tok), hidden=hidden, layers=layers, intermediate=intermediate, heads=heads,
+                          kv_heads=kv_heads)
+    model = LlamaForCausalLM(config).to(device)   # initialised on the CPU: same init on every device
     n_params = sum(p.numel() for p in model.parameters())
     log(f"tiny model: {n_params:,} parameters, vocab {len(tok)}")
     task = ArithTask(seed=0)
@@ -101,7 +106,7 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, horizon: int,
     model.train()
     t0 = time.time()
     for step in range(1, steps + 1):
-        ids, lab, att = encode_batch(tok, task.train(batch, rng))
+        ids, lab, att = encode_batch(tok, task.train(batch, rng), device)
         loss = model(input_ids=ids, attention_mask=att, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -113,7 +118,8 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, horizon: int,
         if snapshot_every and step % snapshot_every == 0 and step < steps:
             _save(model, tok, out.parent / f"{out.name}-step{step}", {"steps": step})
     info = {"steps": steps, "horizon": horizon, "batch": batch, "lr": lr, "seed": seed, "n_params": n_params,
-            "final_loss": loss.item(), "seconds": round(time.time() - t0, 1), "torch": torch.__version__}
+            "final_loss": loss.item(), "seconds": round(time.time() - t0, 1), "torch": torch.__version__,
+            "device": device, "hidden": hidden, "layers": layers, "intermediate": intermediate}
     _save(model, tok, out, info)
     return info
 
@@ -121,7 +127,8 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, horizon: int,
 def _save(model, tok, out: Path, info: dict):
     out.mkdir(parents=True, exist_ok=True)
     model.eval()
-    model.save_pretrained(out, safe_serialization=True)
+    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}  # saved from the CPU, any device
+    model.save_pretrained(out, state_dict=sd, safe_serialization=True)
     tok.save_pretrained(out)
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     model.train()
@@ -136,11 +143,19 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine decay)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--snapshot-every", type=int, default=0, help="also save snapshots every N steps")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden size (head_dim = hidden / heads)")
+    ap.add_argument("--layers", type=int, default=4, help="transformer layers")
+    ap.add_argument("--intermediate", type=int, default=352, help="MLP intermediate size")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads")
+    ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (same init; BLAS differs, so not bit-equal)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.steps > args.horizon:
         ap.error("--steps must be <= --horizon")
-    info = train(args.out, args.steps, args.batch, args.lr, args.seed, args.horizon, args.snapshot_every)
+    info = train(args.out, args.steps, args.batch, args.lr, args.seed, args.horizon, args.snapshot_every,
+                 hidden=args.hidden, layers=args.layers, intermediate=args.intermediate, heads=args.heads,
+                 kv_heads=args.kv_heads, device=args.device)
     print(json.dumps(info))
 
 
