@@ -4,6 +4,9 @@
         # builds a second, larger tiny model once (hidden 256, 4 layers, MLP 704; ~2.9M params) into
         # --runs/tiny-large (deltalens.tiny.build.train, same SFT recipe as the bundled model: ~20-40 min
         # on 2 CPU cores), then 2 sizes x 4 N x seeds ES runs of --iterations each (N=64: ~30 s/iteration)
+    python examples/06_population_scale.py --device cuda --population-batch 64 --seeds 0,1
+        # on one GPU: the large model builds in seconds, every member of an iteration generates in one
+        # batch (deltalens.es_population; noise is still drawn on the CPU)
     python examples/06_population_scale.py --quick                       # seconds (tests)
 
 Each (size, N) run uses the tiny ES preset (σ 3e-3, α 1.5e-3, P=8 prompts) for a fixed number of
@@ -24,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C
 
 
-def build_large(runs: Path, quick: bool) -> Path:
+def build_large(runs: Path, quick: bool, device: str = "cpu") -> Path:
     from deltalens.tiny.build import train
 
     out = Path(runs) / ("tiny-large-quick" if quick else "tiny-large")
@@ -35,7 +38,8 @@ def build_large(runs: Path, quick: bool) -> Path:
         train(out, steps=2, batch=8, lr=3e-3, seed=0, horizon=4, hidden=64, layers=2, intermediate=128,
               log=lambda s: None)
     else:
-        train(out, steps=550, batch=128, lr=3e-3, seed=0, horizon=1200, hidden=256, layers=4, intermediate=704)
+        train(out, steps=550, batch=128, lr=3e-3, seed=0, horizon=1200, hidden=256, layers=4, intermediate=704,
+              device=device)
     return out
 
 
@@ -48,6 +52,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--iterations", type=int, default=15)
     ap.add_argument("--eval-limit", type=int, default=64)
     ap.add_argument("--sizes", default="tiny,large", help="tiny (bundled) and/or large (built)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: where the large model is built and ES runs")
+    ap.add_argument("--population-batch", type=int, default=0,
+                    help="members per batched generation (capped at N; 0 = one by one)")
     args = ap.parse_args(argv)
     s = C.settings(args)
     pops = [int(x) for x in args.populations.split(",")]
@@ -56,7 +63,7 @@ def main(argv=None) -> dict:
         pops, iters, elimit = pops[:2], 1, 2
     sizes = {}
     for name in args.sizes.split(","):
-        sizes[name] = "tiny" if name == "tiny" else str(build_large(args.runs, args.quick))
+        sizes[name] = "tiny" if name == "tiny" else str(build_large(args.runs, args.quick, args.device))
     res, rows = {}, []
     for name, spec in sizes.items():
         for n in pops:
@@ -64,7 +71,8 @@ def main(argv=None) -> dict:
                 run = Path(args.runs) / f"popscale-{name}{'-q' if args.quick else ''}-N{n}-it{iters}-s{seed}"
                 if not C.final_exists(run):
                     cfg = C.es_config({**s, "N": n, "P_es": s["P_es"]}, seed, spec)
-                    cfg = dataclasses.replace(cfg, iterations=iters, eval_every=iters, eval_limit=elimit)
+                    cfg = dataclasses.replace(cfg, iterations=iters, eval_every=iters, eval_limit=elimit,
+                                              device=args.device, population_batch=min(args.population_batch, n))
                     C.log(f"train {run.name}")
                     train_es(cfg, run, overwrite=True)
                 evals = [r for r in RunDir(run).metrics() if "eval" in r]
@@ -83,7 +91,8 @@ def main(argv=None) -> dict:
                          needed if n == needed else ""])
     md = (f"ES population sweep, {iters} iterations, greedy held-out Pass@1 on {elimit} problems\n\n"
           + C.table(["model", "N", "Pass@1 start", "gain (mean ± std)", "needed N (80% of best)"], rows))
-    result = {"iterations": iters, "populations": pops, "sizes": sizes, "results": res, "summary": summary}
+    result = {"iterations": iters, "populations": pops, "sizes": sizes, "results": res, "summary": summary,
+              "device": args.device, "population_batch": args.population_batch}
     C.save(args.out, "06_population_scale", result, md)
     return result
 
