@@ -332,7 +332,8 @@ class ESPopulation(Population):
             raise DeltalensError(f"sigma must be >= 0 (got {sigma}); set --sigma")
         if iteration < 1:
             raise DeltalensError(f"noise iteration must be >= 1 (got {iteration})")
-        cfg = dataclasses.replace(config, sigma=sigma if sigma > 0 else config.sigma, restore="copy")
+        cfg = dataclasses.replace(config, sigma=sigma if sigma > 0 else config.sigma, restore="copy",
+                                  population_batch=0)  # members are rebuilt one at a time
         self.engine = ESEngine(model, tokenizer, task, cfg)
         self.model, self.tokenizer, self.centre = model, tokenizer, model
         self.config, self.iteration, self.sigma, self.size = cfg, iteration, sigma, cfg.population
@@ -589,7 +590,7 @@ def sigma_sweep(model, tokenizer, task, sigmas: Sequence[float], *, config=None,
     if config is None:
         config = ESConfig(seed=seed, population=members or 8)
     elif members is not None and members != config.population:
-        config = dataclasses.replace(config, population=members)
+        config = dataclasses.replace(config, population=members, population_batch=0)
     problems = task.test(prompts)
     pop0 = ESPopulation(model, tokenizer, task, config, iteration, sigma=0.0)
     n = pop0.size
@@ -725,7 +726,7 @@ def load_population(model_spec: str, task, *, members: int | None = None, sigma:
         if members is not None and members != cfg.population:
             notes.append(f"members {members} differs from the run's {cfg.population}: the noise is not the "
                          "run's (noise seeds are counted over N)")
-        cfg = dataclasses.replace(cfg, population=members or cfg.population,
+        cfg = dataclasses.replace(cfg, population=members or cfg.population, population_batch=0,
                                   sigma=cfg.sigma if sigma is None or sigma == 0 else sigma)
         if cfg.restore == "subtract":
             notes.append("the run restored members by subtraction (inexact), so its members carried rounding "

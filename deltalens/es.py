@@ -41,6 +41,16 @@ Where we depart from the paper / its reference code
   shaping (evosax `centered_rank`: ranks mapped to [-0.5, 0.5], ties averaged), a parameter filter
   (globs on names), and a small held-out Pass@1 (greedy) evaluation every `eval_every` iterations.
 
+Throughput options (both off by default; the defaults reproduce the paper's loop):
+- `noise="lowrank", rank=r`: EGGROLL-style rank-r noise E = A·Bᵀ/√r on 2-D weights, dense ε on the
+  rest; the update is one matmul per tensor (`deltalens.es_lowrank`).
+- `population_batch=G`: G members generate together in batched `generate` calls, with member-aware
+  Linear/Embedding/RMSNorm forwards (`deltalens.es_population`): full-rank members from stacked
+  perturbed weights (same responses as this loop on CPU, see that module), low-rank members over the
+  shared weights (never materialised).
+Both run on the local backend only; `noise`, `rank` and `population_batch` are stored in the run
+config (trajectory fields: a resume keeps them) and old configs load with the defaults.
+
 Tied weights (embedding = lm_head) are one tensor: parameters are deduplicated by storage pointer and
 perturbed once, under the first name.
 
@@ -108,11 +118,15 @@ class ESConfig:
     workers: int = 2  # ray backend: number of actors (each holds a model replica)
     threads_per_worker: int = 1  # ray backend: torch threads per actor
     save_pt: bool = False  # also write a plain state dict (.pt) beside each checkpoint
+    noise: str = "full"  # full (dense ε per tensor) or lowrank (EGGROLL: rank-r A·Bᵀ/√r on 2-D weights, dense ε on 1-D)
+    rank: int = 1  # lowrank noise: rank r of each 2-D perturbation
+    population_batch: int = 0  # members per batched generation (deltalens.es_population); 0 or 1: one by one
+    device: str = "cpu"  # local backend: where the model runs (cpu, cuda, cuda:N, auto); noise is drawn on the CPU
 
     # fields that decide the trajectory: a resumed run must keep them (the others may change)
     TRAJECTORY = ("model", "task", "data", "question_field", "answer_field", "population", "sigma", "alpha",
                   "prompts_per_iteration", "temperature", "max_new_tokens", "antithetic", "fitness",
-                  "params", "dtype", "restore", "seed")
+                  "params", "dtype", "restore", "seed", "noise", "rank", "population_batch")
 
     def __post_init__(self):
         if isinstance(self.params, str):
@@ -144,6 +158,20 @@ class ESConfig:
             (self.noise_threads >= 0, f"noise_threads must be >= 0 (got {self.noise_threads}); 0 = auto"),
             (self.workers >= 1, f"workers must be >= 1 (got {self.workers}); set --workers"),
             (self.threads_per_worker >= 1, f"threads_per_worker must be >= 1 (got {self.threads_per_worker})"),
+            (self.noise in NOISE, f"noise must be full or lowrank (got {self.noise!r}); set --noise"),
+            (self.rank >= 1, f"rank must be >= 1 (got {self.rank}); set --rank"),
+            (self.rank == 1 or self.noise == "lowrank",
+             f"--rank {self.rank} needs --noise lowrank (full-rank noise has no rank); add --noise lowrank"),
+            (self.population_batch >= 0,
+             f"population_batch must be >= 0 (got {self.population_batch}); 0 evaluates members one by one"),
+            (self.population_batch <= self.population,
+             (f"population_batch {self.population_batch} exceeds the population {self.population}; set "
+              f"--population-batch {self.population} or less")),
+            (self.device == "cpu" or self.backend == "local",
+             f"--device {self.device} is for the local backend; ray and vllm place their own models"),
+            (self.backend == "local" or (self.noise == "full" and self.population_batch <= 1),
+             (f"--backend {self.backend} supports only full-rank noise evaluated member by member; use "
+              "--backend local for --noise lowrank or --population-batch (or drop those options)")),
         ]
         for ok, message in checks:
             if not ok:
@@ -172,6 +200,7 @@ class ESConfig:
 
 
 FITNESS = ("zscore", "centered_rank")
+NOISE = ("full", "lowrank")
 
 # `tiny`: for the 0.76M-parameter bundled model (weight RMS ~0.035 in its matrices), chosen with
 # held-out data, not training reward. (1) Signal check: 16 members scored on two disjoint sets of 64
@@ -336,7 +365,7 @@ def weights_checksum(model: torch.nn.Module) -> str:
             continue
         seen.add(p.data_ptr())
         h.update(name.encode())
-        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
     return h.hexdigest()
 
 
@@ -375,12 +404,22 @@ class ESEngine:
             total += max(1, math.ceil(p.numel() / self.chunk))
         self.n_blocks = total
         self.blocks: list[tuple[int, torch.Tensor, int]] = []
+        self.first_block: list[int] = []  # per trained tensor: its first block id (seeds its low-rank factors)
         for j, (index, name, p) in enumerate(self.params):
             if not p.is_contiguous():
                 raise DeltalensError(f"parameter {name} is not contiguous; ES perturbs flat views in place")
             flat = p.detach().view(-1)
+            self.first_block.append(offsets[index])
             for c in range(max(1, math.ceil(p.numel() / self.chunk))):
                 self.blocks.append((j, flat[c * self.chunk:(c + 1) * self.chunk], offsets[index] + c))
+        # low-rank noise (deltalens.es_lowrank) takes the 2-D tensors; dense ε stays on the others
+        self.lowrank = None
+        self.dense_blocks = self.blocks
+        if config.noise == "lowrank":
+            from deltalens.es_lowrank import LowRankNoise
+
+            self.lowrank = LowRankNoise(self)
+            self.dense_blocks = [blk for blk in self.blocks if self.params[blk[0]][2].dim() != 2]
         threads = config.noise_threads or torch.get_num_threads()
         self._pool = None
         if threads > 1 and self.n_trained >= PARALLEL_MIN and len(self.blocks) > 1:
@@ -389,6 +428,7 @@ class ESEngine:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="es-noise")
         self._tls = threading.local()  # per-thread fp32 buffers (noise, update accumulator)
         self._base: list[torch.Tensor] | None = None  # exact copies of the trained tensors (restore=copy)
+        self.member_buffers: dict[int, torch.Tensor] = {}  # population batching: stacked member tensors
 
     # -- noise
     def _buffer(self, name: str, numel: int) -> torch.Tensor:
@@ -407,8 +447,11 @@ class ESEngine:
         return out
 
     def noise_of(self, iteration: int, k: int, name: str) -> torch.Tensor:
-        """The whole ε_k of one trained tensor (a fresh tensor; for tests and analysis)."""
+        """The whole ε_k of one trained tensor (a fresh tensor; for tests and analysis); with low-rank
+        noise, E_k = A Bᵀ / √r for 2-D tensors (what `perturb` adds, up to rounding)."""
         j = next(j for j, (_, n, _) in enumerate(self.params) if n == name)
+        if self.lowrank is not None and self.params[j][2].dim() == 2:
+            return self.lowrank.dense(iteration, k, j)
         parts = [self._noise(iteration, k, b, flat.numel()).clone() for jj, flat, b in self.blocks if jj == j]
         return torch.cat(parts).view(self.params[j][2].shape)
 
@@ -422,7 +465,8 @@ class ESEngine:
         """Run fn(block) -> (noise seconds, other seconds, value) over all blocks (pooled if enabled);
         the wall time is attributed to the two timing keys in proportion to the per-block seconds."""
         t0 = time.perf_counter()
-        results = list(self._pool.map(fn, self.blocks)) if self._pool else [fn(b) for b in self.blocks]
+        blocks = self.dense_blocks
+        results = list(self._pool.map(fn, blocks)) if self._pool else [fn(b) for b in blocks]
         wall = time.perf_counter() - t0
         if timing is not None:
             noise = sum(r[0] for r in results)
@@ -438,11 +482,14 @@ class ESEngine:
         t0 = time.perf_counter()
         eps = self._noise(iteration, k, b, flat.numel())
         t1 = time.perf_counter()
-        if flat.dtype == torch.float32:
-            flat.add_(eps, alpha=s)
-        else:
-            flat.copy_(flat.float().add_(eps, alpha=s))
+        add_scaled(flat, eps.to(flat.device), s)
         return t1 - t0, time.perf_counter() - t1, None
+
+    def _shift_all(self, iteration: int, k: int, s: float, timing: dict) -> None:
+        """θ += s·ε_k over every trained tensor (low-rank E_k on 2-D tensors when noise="lowrank")."""
+        self._map_blocks(lambda blk: self._shift(iteration, k, s, blk), timing, "noise_s", "perturb_restore_s")
+        if self.lowrank is not None:
+            self.lowrank.shift(iteration, k, s, timing)
 
     # -- perturb / restore (timings accumulate into `timing`)
     @torch.no_grad()
@@ -451,8 +498,7 @@ class ESEngine:
         k, sign = member_noise(member, self.config.antithetic)
         if self.config.restore == "copy" and self._base is None:
             self._base = [p.detach().clone() for _, _, p in self.params]
-        self._map_blocks(lambda blk: self._shift(iteration, k, sign * self.config.sigma, blk),
-                         timing, "noise_s", "perturb_restore_s")
+        self._shift_all(iteration, k, sign * self.config.sigma, timing)
 
     @torch.no_grad()
     def restore(self, iteration: int, member: int, timing: dict) -> None:
@@ -464,24 +510,34 @@ class ESEngine:
             timing["perturb_restore_s"] += time.perf_counter() - t0
             return
         k, sign = member_noise(member, self.config.antithetic)
-        self._map_blocks(lambda blk: self._shift(iteration, k, -sign * self.config.sigma, blk),
-                         timing, "noise_s", "perturb_restore_s")
+        self._shift_all(iteration, k, -sign * self.config.sigma, timing)
 
     # -- rewards
-    def score(self, problems) -> float:
-        """Mean reward of the current weights on `problems`: one response each (greedy by default)."""
+    def sampling_params(self):
         from deltalens.generation import SamplingParams
 
-        params = SamplingParams(n=1, temperature=self.config.temperature, max_new_tokens=self.max_new_tokens,
-                                seed=self.config.seed)
-        completions = self.generator.generate([p.prompt for p in problems], params)
-        return sum(self.task.score_problem(c[0], p) for c, p in zip(completions, problems)) / len(problems)
+        return SamplingParams(n=1, temperature=self.config.temperature, max_new_tokens=self.max_new_tokens,
+                              seed=self.config.seed)
+
+    def mean_reward(self, completions: Sequence[str], problems) -> float:
+        """Mean reward of one completion per problem."""
+        return sum(self.task.score_problem(c, p) for c, p in zip(completions, problems)) / len(problems)
+
+    def score(self, problems) -> float:
+        """Mean reward of the current weights on `problems`: one response each (greedy by default)."""
+        completions = self.generator.generate([p.prompt for p in problems], self.sampling_params())
+        return self.mean_reward([c[0] for c in completions], problems)
 
     def evaluate_members(self, iteration: int, members: Sequence[int], problems=None,
                          timing: dict | None = None) -> dict[int, float]:
-        """Reward of each member (perturb, generate + score, restore), members one after another."""
+        """Reward of each member: perturb, generate + score, restore, members one after another; or,
+        with `population_batch` > 1, that many members per batched generation (deltalens.es_population)."""
         timing = timing if timing is not None else new_timing()
         problems = problems if problems is not None else iteration_problems(self.task, self.config, iteration)
+        if self.config.population_batch > 1:
+            from deltalens.es_population import evaluate_batched
+
+            return evaluate_batched(self, iteration, members, problems, timing)
         out = {}
         for m in members:
             self.perturb(iteration, m, timing)
@@ -513,15 +569,14 @@ class ESEngine:
                     acc.add_(eps, alpha=c)
             acc.mul_(scale)
             sq = float(acc.double().square().sum())
-            if flat.dtype == torch.float32:
-                flat.add_(acc)
-            else:
-                flat.copy_(flat.float().add_(acc))
+            add_scaled(flat, acc.to(flat.device), 1.0)
             return noise_s, time.perf_counter() - t_start - noise_s, sq
 
         timing = {"update_noise_s": 0.0, "update_apply_s": 0.0}
         t0 = time.perf_counter()
         sq = sum(self._map_blocks(block_update, timing, "update_noise_s", "update_apply_s"))  # fixed order
+        if self.lowrank is not None:
+            sq += self.lowrank.update(iteration, coeff, scale, timing)
         if self._base is not None:
             for (_, _, p), base in zip(self.params, self._base):
                 base.copy_(p)
@@ -535,6 +590,14 @@ class ESEngine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def add_scaled(flat: torch.Tensor, x: torch.Tensor, s: float) -> None:
+    """flat += s·x in fp32 arithmetic, rounded once to flat's dtype (every perturbation and update)."""
+    if flat.dtype == torch.float32:
+        flat.add_(x) if s == 1.0 else flat.add_(x, alpha=s)
+    else:
+        flat.copy_(flat.float().add_(x) if s == 1.0 else flat.float().add_(x, alpha=s))
 
 
 def new_timing() -> dict:
@@ -656,7 +719,7 @@ def train_es(config: ESConfig, out: str | Path, resume: bool = False,
     if start == config.iterations:
         return run.path
 
-    model, tok = load_model(model_spec, dtype=config.dtype)
+    model, tok = load_model(model_spec, dtype=config.dtype, device=config.device)
     task = make_task(config)
     engine = ESEngine(model, tok, task, config)
     if state and state.get("checksum") and start > 0 and engine.checksum() != state["checksum"]:
