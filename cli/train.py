@@ -3,6 +3,7 @@
     deltalens train --method es --model tiny --task arith --out runs/es --iterations 30
     deltalens train --method es --resume runs/es                       # continue a killed run
     deltalens train --method es --model tiny --out runs/es-ray --backend ray --workers 2
+    deltalens train --method es --model tiny --out runs/es-lr --noise lowrank --rank 1 --population-batch 32
 
 `--method` dispatches through `METHODS`, a name -> trainer dict. A trainer is called as
 `trainer(opts, progress) -> Path` with `opts` a dict of every option of `train` (None where the user
@@ -41,7 +42,8 @@ def _train_es(opts: dict[str, Any], progress) -> Path:
               "max_new_tokens": "max_new_tokens", "antithetic": "antithetic", "fitness": "fitness",
               "params": "params", "dtype": "dtype", "restore": "restore", "iterations": "iterations",
               "eval_every": "eval_every", "eval_limit": "eval_limit", "checkpoint_every": "checkpoint_every",
-              "seed": "seed", "backend": "backend", "workers": "workers", "save_pt": "save_pt"}
+              "seed": "seed", "backend": "backend", "workers": "workers", "save_pt": "save_pt",
+              "noise": "noise", "rank": "rank", "population_batch": "population_batch", "device": "device"}
     given = {f: opts[o] for f, o in fields.items() if opts.get(o) is not None}
     if opts.get("resume") is not None:
         # the run's own settings, with whatever was passed on top (train_es refuses trajectory changes)
@@ -113,6 +115,10 @@ def train(
     params: Annotated[str | None, typer.Option("--params", help="comma-separated globs of parameters to train; !glob excludes")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="weight dtype: fp32, bf16, fp16")] = None,
     restore: Annotated[str | None, typer.Option("--restore", help="after each member: copy (exact) or subtract (less memory)")] = None,
+    noise: Annotated[str | None, typer.Option("--noise", help="ES noise: full (dense) or lowrank (EGGROLL rank-r on 2-D weights)")] = None,
+    rank: Annotated[int | None, typer.Option("--rank", help="ES lowrank noise: rank r")] = None,
+    population_batch: Annotated[int | None, typer.Option("--population-batch", help="ES members per batched generation (0 = one by one)")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="where the model trains: cpu, cuda (ES also cuda:N, auto)")] = None,
     eval_every: Annotated[int | None, typer.Option("--eval-every", help="held-out greedy Pass@1 every k iterations (0 = never)")] = None,
     eval_limit: Annotated[int | None, typer.Option("--eval-limit", help="test problems in that evaluation")] = None,
     checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every", help="checkpoint every k iterations")] = None,
@@ -133,7 +139,7 @@ def train(
     opts = {k: v for k, v in locals().items() if k not in ("method",)}
     opts["out"] = out
     opts["method"] = method
-    for absent in ("autocast", "device", "gradient_checkpointing"):  # GRPO fields with no flag (yet)
+    for absent in ("autocast", "gradient_checkpointing"):  # GRPO fields with no flag (yet)
         opts.setdefault(absent, None)
     trainer = resolve_method(method)
     with c.progress_bar() as bar:
