@@ -9,7 +9,7 @@
         # batch (deltalens.es_population; noise is still drawn on the CPU)
     python examples/06_population_scale.py --quick                       # seconds (tests)
 
-Each (size, N) run uses the tiny ES preset (σ 3e-3, α 1.5e-3, P=8 prompts) for a fixed number of
+Each (size, N) run uses the tiny ES preset (σ 6e-3, α 3e-3, antithetic) with P=8 prompts for a fixed number of
 iterations; the outcome is held-out greedy Pass@1 (first --eval-limit test problems) at the end minus at
 the start. "Needed N" per size = the smallest N whose gain reaches 80% of the best gain of that size.
 The paper's claim predicts needed N(large) <= needed N(small). Two sizes of a 1-3M-parameter model are a
