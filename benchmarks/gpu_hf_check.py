@@ -41,7 +41,7 @@ def step_env() -> dict:
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
     try:
-        import vllm  # noqa: F401
+        import vllm
 
         out["vllm"] = vllm.__version__
     except Exception as e:  # noqa: BLE001 - reported, not raised
@@ -105,7 +105,7 @@ def step_throughput(seconds: int) -> dict:
     script = ROOT / "benchmarks" / "bench_es_throughput.py"
     if not script.exists():
         return {"skipped": "benchmarks/bench_es_throughput.py not present"}
-    r = subprocess.run([sys.executable, str(script), "--model", "tiny", "--device", "cuda"], capture_output=True,
+    r = subprocess.run([sys.executable, str(script), "--model", "tiny", "--device", "cuda"], check=False, capture_output=True,
                        text=True, timeout=seconds, cwd=ROOT)
     if r.returncode != 0:
         return {"rc": r.returncode, "stderr_tail": r.stderr[-1500:]}
