@@ -11,6 +11,8 @@ For each pair, in fresh subprocesses (so peak RSS is per measurement) and with t
 from the page cache first (posix_fadvise DONTNEED; reads are cold unless the OS ignores it):
   read   read both files once, sequentially in 64 MB blocks: the I/O floor
   diff   diff_checkpoints(base, [ckpt], topk=100): the full analysis
+  diff_notopk  the same with topk=0 (metrics per tensor/group/layer only: the top-k lists are 2/3 of
+         the compute, so this shows the streaming floor)
 and prints one JSON object (medians of --repeat alternated read/diff pairs): seconds, GB/s, diff/read time
 ratio (goal <= 2, i.e. diff throughput >= 50% of reading), peak RSS (VmHWM) against the
 budget 3 x largest tensor + 300 MB (the streaming design holds ~2 tensors + chunk temporaries);
@@ -166,7 +168,7 @@ def phase_read(base: Path, ckpt: Path) -> dict:
     return {"seconds": time.perf_counter() - t, "bytes": total, "peak_rss_mb": peak_rss_mb()}
 
 
-def phase_diff(base: Path, ckpt: Path) -> dict:
+def phase_diff(base: Path, ckpt: Path, topk: int = 100) -> dict:
     import rich.progress  # noqa: F401 - the progress bar's import is a one-off cost, not throughput
 
     from deltalens.checkpoint import open_tensors
@@ -177,7 +179,7 @@ def phase_diff(base: Path, ckpt: Path) -> dict:
         n_params = sum(src.numel(n) for n in src.names())
     rss0 = _status_mb("VmRSS")
     t = time.perf_counter()
-    out = diff_checkpoints(base, [ckpt], labels=["ckpt"], topk=100, progress=False)
+    out = diff_checkpoints(base, [ckpt], labels=["ckpt"], topk=topk, progress=False)
     seconds = time.perf_counter() - t
     d = out["diff"]["ckpt"]
     return {"seconds": seconds, "n_params": n_params, "largest_tensor_mb": largest / MB,
@@ -204,13 +206,15 @@ def bench_pair(size: str, work: Path, layers: int, threads: int, repeat: int = 1
         write_pair_streaming(qwen_shapes(layers=layers), base, ckpt)
         source = f"synthetic Qwen2.5-1.5B shapes, {layers} layers"
     write_s = time.perf_counter() - t
-    reads, diffs = [], []
+    reads, diffs, notopk = [], [], []
     for _ in range(repeat):  # alternated, so slow phases of a busy machine hit both measurements
         reads.append(measure("read", base, ckpt, threads))
         diffs.append(measure("diff", base, ckpt, threads))
+        notopk.append(measure("diff_notopk", base, ckpt, threads))
     ratios = sorted(d["seconds"] / r["seconds"] for r, d in zip(reads, diffs))
     read = sorted(reads, key=lambda r: r["seconds"])[len(reads) // 2]    # medians
     diff = sorted(diffs, key=lambda d: d["seconds"])[len(diffs) // 2]
+    bare = sorted(notopk, key=lambda d: d["seconds"])[len(notopk) // 2]
     gb = read["bytes"] / 1e9
     budget = 3 * diff["largest_tensor_mb"] + 300
     return {
@@ -218,6 +222,8 @@ def bench_pair(size: str, work: Path, layers: int, threads: int, repeat: int = 1
         "write_s": round(write_s, 1),
         "read_s": round(read["seconds"], 2), "read_gb_s": round(gb / read["seconds"], 2),
         "diff_s": round(diff["seconds"], 2), "diff_gb_s": round(gb / diff["seconds"], 2),
+        "diff_notopk_s": round(bare["seconds"], 2),
+        "diff_notopk_over_read": round(bare["seconds"] / read["seconds"], 2),
         "diff_mparams_s": round(diff["n_params"] / diff["seconds"] / 1e6, 1),
         "diff_over_read": round(diff["seconds"] / read["seconds"], 2),
         "repeats": repeat, "diff_over_read_each": [round(x, 2) for x in ratios],
@@ -239,12 +245,12 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint files")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for the diff")
     ap.add_argument("--repeat", type=int, default=3, help="read/diff pairs per size (medians reported)")
-    ap.add_argument("--phase", choices=["read", "diff"], help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=["read", "diff", "diff_notopk"], help=argparse.SUPPRESS)
     ap.add_argument("paths", nargs="*", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
         torch.set_num_threads(args.threads)
-        fn = phase_read if args.phase == "read" else phase_diff
+        fn = {"read": phase_read, "diff": phase_diff, "diff_notopk": lambda b, c: phase_diff(b, c, topk=0)}[args.phase]
         print(json.dumps(fn(*args.paths)))
         return
     work = Path(tempfile.mkdtemp(prefix="bench_diff-", dir=args.dir))
