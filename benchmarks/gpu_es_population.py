@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_es_population.py [--members 32] [--prompts 64] [--new-tokens 64]
 
-The HF ES engine draws its noise on the CPU (its GPU path is vLLM), so this script builds member
+The HF ES engine draws its noise on the CPU (also with `--device cuda`), so this script builds member
 tensors directly (random full-rank / low-rank perturbations, the shapes `member_weights` makes) and
 exercises the member-aware forwards and segmented generation on the GPU:
 

@@ -167,6 +167,8 @@ class ESConfig:
             (self.population_batch <= self.population,
              (f"population_batch {self.population_batch} exceeds the population {self.population}; set "
               f"--population-batch {self.population} or less")),
+            (self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+             f"device must be cpu, cuda, cuda:N or auto (got {self.device!r}); set --device"),
             (self.device == "cpu" or self.backend == "local",
              f"--device {self.device} is for the local backend; ray and vllm place their own models"),
             (self.backend == "local" or (self.noise == "full" and self.population_batch <= 1),

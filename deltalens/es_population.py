@@ -17,8 +17,9 @@ Stragglers: one `generate` call runs until its longest row ends, and among G per
 row often runs to the token budget (on tiny, N=32 x P=64: the centre's rows all end by token 45, the
 members' batch ran to 80 and took 2.3x as long). So `generate_replicated` generates SEGMENT tokens per
 call, continuing from the returned KV cache, and between calls retires the members whose rows have all
-ended (their rows leave the batch and the cache, their tensors leave `Members`): a member costs what
-it would cost alone, and each member keeps its B rows, so the arithmetic per row does not change.
+ended (their rows leave the batch and the cache, their tensors leave `Members`): a finished member
+stops costing compute within SEGMENT tokens (rows that ended inside a member still running are computed
+on), and each member keeps its B rows, so the arithmetic per row does not change.
 
 Which members and which noise: `ESEngine.evaluate_members` sends each group of `population_batch`
 members here. Noise is the engine's, from the same seeds (`ESEngine._noise` blocks for dense ε,
@@ -37,13 +38,17 @@ Equality with the one-member-at-a-time loop (greedy decoding, the ES default):
 - low rank: the sequential path materialises W + (σ/√r)·A·Bᵀ; this path adds the low-rank term to the
   shared product, a different rounding: logits agree within fp32 rounding (the test allows 1e-5),
   responses almost always agree (a near-tie can flip; on tiny they were identical), and the test
-  compares both.
+  compares both. In bf16/fp16 the gap is no longer fp32 rounding: the sequential path rounds
+  W + σE to bf16, this path never forms it (a small tied Llama in bf16, r=1, σ=1.5e-3: logits differed
+  by up to 3.9e-3 where the perturbation itself moved them by 6.1e-2). Train low-rank batched runs in
+  fp32 when they must match the sequential path.
 - temperature > 0: transformers draws one random stream for the whole batch of G·B rows after
   `torch.manual_seed(seed + batch index)`, so a member's samples differ from the ones it draws alone
   (the sequential path gives every member the same stream); the distribution is the same.
 
-Memory: full rank stacks G copies of every trained tensor (G x parameters x dtype bytes; checked
-against the free memory first, with an error that says which `--population-batch` fits); low rank
+Memory: full rank stacks G copies of every trained tensor (G x parameters x dtype bytes, plus up to
+G - 1 more while the survivors of a batch are gathered; checked against the free memory first, with an
+error that says which `--population-batch` fits); low rank
 holds G·r·(out + in) floats per matrix. The KV cache grows with G·B rows either way.
 
 Departures from EGGROLL: members run inside HF `generate` (segmented, see above) rather than a custom
@@ -91,13 +96,15 @@ def check_stack_memory(engine, group_size: int) -> None:
     tensors = {j for j, _, _ in engine.dense_blocks}
     per_member = sum(engine.params[j][2].numel() * engine.params[j][2].element_size() for j in tensors)
     free = available_memory(engine.params[0][2].device)
-    if free is None or group_size * per_member <= 0.8 * free:
+    # G stacked copies, plus up to G - 1 more while `Members.retire` gathers the survivors of a batch
+    need = (2 * group_size - 1) * per_member
+    if free is None or need <= 0.8 * free:
         return
-    fits = int(0.8 * free // max(per_member, 1))
+    fits = int((0.8 * free // max(per_member, 1) + 1) // 2)
     hint = f"--population-batch {fits}" if fits >= 2 else "--population-batch 0"
     raise DeltalensError(f"--population-batch {group_size} with full-rank noise stacks {group_size} "
-                         f"perturbed copies ({group_size * per_member / 1e9:.1f} GB) but {free / 1e9:.1f} GB is free; "
-                         f"use {hint} or --noise lowrank")
+                         f"perturbed copies (up to {need / 1e9:.1f} GB while finished members are dropped) but "
+                         f"{free / 1e9:.1f} GB is free; use {hint} or --noise lowrank")
 
 
 @torch.no_grad()

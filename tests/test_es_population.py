@@ -97,6 +97,9 @@ def test_config_validation_says_what_to_change():
     ESConfig(backend="ray", population_batch=1)  # 1 = one by one: allowed
     with pytest.raises(DeltalensError, match="local backend"):
         ESConfig(backend="ray", device="cuda")
+    with pytest.raises(DeltalensError, match="device must be cpu, cuda, cuda:N or auto"):
+        ESConfig(device="gpu")   # rejected before any run directory is written
+    ESConfig(device="cuda:1")
 
 
 def test_old_configs_load_with_defaults_and_new_fields_are_stored():
@@ -238,26 +241,30 @@ def _responses(eng, iteration, problems):
     return rewards, seen
 
 
-@pytest.mark.parametrize(("noise", "batch_tokens"), [("full", None), ("lowrank", None), ("full", 200)])
-def test_batched_rewards_equal_sequential_on_tiny(noise, batch_tokens, monkeypatch):
+@pytest.mark.parametrize(("noise", "batch_tokens", "over"), [
+    ("full", None, {}), ("lowrank", None, {}), ("full", 200, {}),
+    ("lowrank", 200, {"sigma": 0.03, "population": 8}),   # large enough σ that low-rank members end apart
+])
+def test_batched_rewards_equal_sequential_on_tiny(noise, batch_tokens, over, monkeypatch):
     """batch_tokens=200 cuts the 8 prompts into 3 batches (on both paths); members are retired."""
     from deltalens.es_population import Members
     from deltalens.models import load_model
 
     torch.set_num_threads(1)
     model, tok = load_model("tiny")
-    cfg = ESConfig(model="tiny", noise=noise, rank=1, **FAST)
+    cfg = ESConfig(model="tiny", noise=noise, rank=1, **{**FAST, **over})
     retired = []
     retire = Members.retire
     monkeypatch.setattr(Members, "retire", lambda self, keep: retired.append(len(keep)) or retire(self, keep))
     monkeypatch.setattr("deltalens.es_population.SEGMENT", 4 if batch_tokens else 16)
     out = {}
-    for pb in (0, 4):
+    n = cfg.population
+    for pb in (0, n):
         eng = ESEngine(model, tok, make_task(cfg), dataclasses.replace(cfg, population_batch=pb))
         eng.generator.batch_tokens = batch_tokens or eng.generator.batch_tokens
         out[pb] = _responses(eng, 1, iteration_problems(eng.task, cfg, 1))
-    assert out[0][0] == out[4][0]  # rewards: identical floats
-    assert out[0][1] == out[4][1]  # every completion of every member
+    assert out[0][0] == out[n][0]  # rewards: identical floats
+    assert out[0][1] == out[n][1]  # every completion of every member
     assert len(set(out[0][0].values())) > 1
     assert retired or not batch_tokens  # with small batches some member ends first and leaves the batch
 
