@@ -40,7 +40,7 @@ def run(name, dirs, *extra):
 
 def test_examples_have_docstring_and_quick_flag():
     scripts = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
-    assert [p.name[:2] for p in scripts] == [f"{i:02d}" for i in range(1, 10)]
+    assert [p.name[:2] for p in scripts] == [f"{i:02d}" for i in range(1, 11)]
     for p in scripts:
         text = p.read_text()
         assert text.startswith('"""') and "python examples/" in text and "--quick" in text, p.name
