@@ -213,7 +213,7 @@ def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[
     coordinates with θ0 == 0 that the relative top-k skipped). Feeds `tops` = (abs, rel) if given.
 
     Speed: this loop is the whole cost of a diff after I/O, so every step writes into three
-    preallocated chunk buffers (a fresh 16 MB tensor costs page faults on each use) and avoids the slow
+    preallocated chunk buffers (a fresh tensor per op costs an allocation and page faults) and avoids the slow
     reductions: counts are sums of sign() (exact: a chunk has < 2^24 coordinates), and the top-k
     candidate searches (nonzero) run only when a cheap max shows a chunk can contain one.
     About 14 cheap memory passes per coordinate; see benchmarks/bench_diff.py.
