@@ -560,16 +560,9 @@ class ESEngine:
 
         def block_update(block):
             _, flat, b = block
-            noise_s = 0.0
             t_start = time.perf_counter()
-            acc = self._buffer("acc", flat.numel()).zero_()
-            for k, c in enumerate(coeff):
-                if c != 0.0:  # skipped identically on every replica
-                    t0 = time.perf_counter()
-                    eps = self._noise(iteration, k, b, flat.numel())
-                    noise_s += time.perf_counter() - t0
-                    acc.add_(eps, alpha=c)
-            acc.mul_(scale)
+            acc = self._buffer("acc", flat.numel())
+            noise_s = accumulate_noise(acc, coeff, scale, lambda k: self._noise(iteration, k, b, flat.numel()))
             sq = float(acc.double().square().sum())
             add_scaled(flat, acc.to(flat.device), 1.0)
             return noise_s, time.perf_counter() - t_start - noise_s, sq
@@ -592,6 +585,21 @@ class ESEngine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def accumulate_noise(acc: torch.Tensor, coeff: Sequence[float], scale: float, noise) -> float:
+    """acc ← scale · Σ_k coeff[k]·noise(k) in fp32, in k order, skipping zero coefficients (identically
+    on every replica and backend, so their updates stay bit-identical). Returns seconds spent in noise()."""
+    acc.zero_()
+    noise_s = 0.0
+    for k, c in enumerate(coeff):
+        if c != 0.0:
+            t0 = time.perf_counter()
+            eps = noise(k)
+            noise_s += time.perf_counter() - t0
+            acc.add_(eps, alpha=c)
+    acc.mul_(scale)
+    return noise_s
 
 
 def add_scaled(flat: torch.Tensor, x: torch.Tensor, s: float) -> None:

@@ -445,23 +445,16 @@ class FusedES:
     def update(self, iteration: int, z: Sequence[float]) -> dict:
         """θ ← θ + (α/N) Σ_i z_i ε_i, accumulated per block on the CPU in fp32 exactly as `ESEngine.update`
         (same ops, same order), then added to the weights once."""
-        from deltalens.es import noise_coefficients
+        from deltalens.es import accumulate_noise, noise_coefficients
 
         coeff = noise_coefficients(z, self.n_noise, self.antithetic)
         scale = self.alpha / self.population
 
         def one(block):
             _, flat, b = block
-            noise_s = 0.0
             t_start = time.perf_counter()
-            acc = self._buf("acc", flat.numel()).zero_()
-            for k, c in enumerate(coeff):
-                if c != 0.0:
-                    t0 = time.perf_counter()
-                    eps = self._host_noise(iteration, k, b, flat.numel())
-                    noise_s += time.perf_counter() - t0
-                    acc.add_(eps, alpha=c)
-            acc.mul_(scale)
+            acc = self._buf("acc", flat.numel())
+            noise_s = accumulate_noise(acc, coeff, scale, lambda k: self._host_noise(iteration, k, b, flat.numel()))
             sq = float(acc.double().square().sum())
             self._add(flat, self._to_device(acc))
             return noise_s, time.perf_counter() - t_start - noise_s, sq
