@@ -249,6 +249,20 @@ class TensorSource:
     def get(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    partial_reads = False  # True where read_range reads only the range (and into `buf`)
+
+    def read_range(self, name: str, lo: int, hi: int, buf: torch.Tensor | None = None) -> torch.Tensor:
+        """Coordinates [lo, hi) of the flattened tensor `name` (1-D).
+
+        Sources with `partial_reads` (safetensors) read just those bytes, into `buf` when given (1-D
+        uint8, 64-byte aligned, at least (hi - lo) * itemsize bytes): reused memory skips the page
+        faults of a fresh allocation, which makes large reads ~2x faster. Others slice get(name).
+        """
+        return self.get(name).reshape(-1)[lo:hi]
+
+    def nbytes(self, name: str) -> int:
+        return self.numel(name) * self.dtype(name).itemsize
+
     def numel(self, name: str) -> int:
         return math.prod(self.shape(name))
 
@@ -371,17 +385,37 @@ class SafetensorsSource(TensorSource):
         return _ST_DTYPES[self._entry(name)[2]["dtype"]]
 
     def get(self, name):
+        e = self._entry(name)[2]
+        return self._read(name, torch.empty(e["shape"], dtype=_ST_DTYPES[e["dtype"]]))
+
+    partial_reads = True
+
+    def read_range(self, name, lo, hi, buf=None):
+        dtype = self.dtype(name)
+        if not 0 <= lo <= hi <= self.numel(name):
+            raise ValueError(f"range [{lo}, {hi}) outside {name} ({self.numel(name)} coordinates)")
+        n = (hi - lo) * dtype.itemsize
+        if buf is None:
+            out = torch.empty(hi - lo, dtype=dtype)
+        elif buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < n:
+            raise ValueError(f"read_range needs a 1-D uint8 buffer of >= {n} bytes for {name}")
+        else:
+            out = buf[:n].view(dtype)
+        return self._read(name, out, lo * dtype.itemsize)
+
+    def _read(self, name, out, skip=0):
+        """Fill contiguous `out` with the tensor's bytes from byte `skip` of its data on."""
         file, start, e = self._entry(name)
-        out = torch.empty(e["shape"], dtype=_ST_DTYPES[e["dtype"]])
         lo, hi = e["data_offsets"]
         if out.numel() == 0:
             return out
         if file not in self._files:
             self._files[file] = open(file, "rb")  # noqa: SIM115 - kept open across get(); close()
         f = self._files[file]
-        f.seek(start + lo)
+        f.seek(start + lo + skip)
         buf = out.reshape(-1).view(torch.uint8).numpy()  # writable bytes of `out`
-        if hi - lo != buf.nbytes or f.readinto(buf) != buf.nbytes:
+        whole = math.prod(e["shape"]) * _ST_DTYPES[e["dtype"]].itemsize
+        if hi - lo != whole or f.readinto(buf) != buf.nbytes:
             raise DeltalensError(f"{file}: tensor {name} is truncated or mis-sized: "
                                  "re-download or re-save it")
         return out
@@ -552,6 +586,13 @@ class _Borrowed(TensorSource):
 
     def get(self, name):
         return self.src.get(name)
+
+    @property
+    def partial_reads(self):
+        return self.src.partial_reads
+
+    def read_range(self, name, lo, hi, buf=None):
+        return self.src.read_range(name, lo, hi, buf)
 
     def tied(self):
         return self.src.tied()

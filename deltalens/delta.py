@@ -36,12 +36,14 @@ Departures / choices (not in the paper):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
+import queue
 import re
-from collections import Counter
+import threading
+from collections import Counter, deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +56,8 @@ GROUPS = ("embed", "lm_head", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o"
           "mlp_gate", "mlp_up", "mlp_down", "norm", "other")
 CHUNK = 1 << 18  # coordinates per reduction step: 256K float32 = 1 MB per temporary, so the ~14 passes
 #                  over a chunk hit the CPU cache (2.1x faster than 16 MB chunks on 28M coordinates)
+PIECE = 1 << 21   # coordinates per read-ahead job of a streamed tensor: 8 MB per side in float32
+BLOCK = 1024      # top-k candidate search: block maxima first, then only blocks that hold a candidate
 METRIC_KEYS = ("n", "l2", "base_l2", "rel_l2", "max_abs", "mean_abs", "frac_changed", "frac_above_tol")
 
 # ----------------------------------------------------------------------------------------------
@@ -143,11 +147,31 @@ class Sums:
                 "frac_above_tol": self.above / n if n else None}
 
 
+def above_indices(x: torch.Tensor, thr: float) -> torch.Tensor:
+    """Flat indices i (ascending) with x[i] > thr, for 1-D x where such i are rare.
+
+    A compare + nonzero over the whole of x costs ~1.5 ns per coordinate (the bool tensor and the
+    scan); the max of each BLOCK-sized block costs ~0.06 ns, and then only the few blocks whose max
+    beats thr are compared and scanned.
+    """
+    n = x.numel()
+    m = n - n % BLOCK
+    if m < 16 * BLOCK:                                 # small: the block step would not pay
+        return torch.nonzero(x > thr).squeeze(1)
+    blocks = x[:m].view(-1, BLOCK)                     # (n // BLOCK, BLOCK), no copy
+    hit = torch.nonzero(blocks.amax(1) > thr).squeeze(1)
+    row, col = torch.nonzero(blocks[hit] > thr, as_tuple=True)
+    idx = hit[row] * BLOCK + col
+    if m < n:                                          # the tail that does not fill a block
+        idx = torch.cat([idx, torch.nonzero(x[m:] > thr).squeeze(1) + m])
+    return idx
+
+
 class TopK:
     """Running top-k of (score, tensor id, flat index, Δ, θ0) over a stream of chunks.
 
-    Each chunk is first filtered against the current k-th best score (one compare + nonzero), so
-    after the first chunks only a handful of candidates reach torch.topk.
+    Each chunk is first filtered against the current k-th best score (above_indices), so after the
+    first chunks only a handful of candidates reach torch.topk.
     """
 
     def __init__(self, k: int):
@@ -166,7 +190,7 @@ class TopK:
             return 0
         thr = self.threshold()
         if thr > 0:                                    # full: only scores beating the k-th best
-            i = torch.nonzero(score > thr).squeeze(1)
+            i = above_indices(score, thr)
             return self.push_at(i, score[i], tid, offset, d, b)
         s, i = torch.topk(score, min(self.k, score.numel()))  # filling up: this chunk's best k
         keep = s > 0
@@ -206,27 +230,29 @@ class TopK:
 
 
 def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[TopK, TopK] | None = None,
-                tid: int = 0) -> tuple[Sums, int, int, int]:
-    """Reduce one tensor pair (same shape, any float dtypes) in float32 chunks.
+                tid: int = 0, offset: int = 0) -> tuple[Sums, int, int, int]:
+    """Reduce one tensor pair (same shape, any float dtypes) in float32 chunks. `offset` is the flat
+    index of their first coordinate when they are a piece of a larger tensor (for top-k indices).
 
     Returns (sums over finite coordinates, #non-finite in base, #non-finite in ckpt, #changed
     coordinates with θ0 == 0 that the relative top-k skipped). Feeds `tops` = (abs, rel) if given.
 
-    Speed: this loop is the whole cost of a diff after I/O, so every step writes into three
-    preallocated chunk buffers (a fresh tensor per op costs an allocation and page faults) and avoids the slow
-    reductions: counts are sums of sign() (exact: a chunk has < 2^24 coordinates), and the top-k
-    candidate searches (nonzero) run only when a cheap max shows a chunk can contain one.
-    About 14 cheap memory passes per coordinate; see benchmarks/bench_diff.py.
+    Speed: this loop is the whole cost of a diff after I/O, so every step writes into five
+    preallocated chunk buffers (a fresh tensor per op costs an allocation and page faults) and avoids
+    the slow ops (bool masks, count_nonzero, where, nonzero over a whole chunk): counts are sums or dots
+    of sign() (exact: a chunk has < 2^24 coordinates), and the top-k candidate searches run only when
+    a cheap max shows a chunk can hold one, and then only in the blocks that can (above_indices).
+    About 20 cheap memory passes per coordinate; see benchmarks/bench_diff.py.
     """
     b_all, c_all = base.reshape(-1), ckpt.reshape(-1)
     size = min(CHUNK, b_all.numel())
-    d_buf, a_buf, t_buf = torch.empty(size), torch.empty(size), torch.empty(size)   # (chunk,) float32
+    d_buf, a_buf, t_buf, s_buf, z_buf = (torch.empty(size) for _ in range(5))       # (chunk,) float32
     s, bad_b, bad_c, zero_base = Sums(), 0, 0, 0
     for lo in range(0, b_all.numel(), CHUNK):
         b = b_all[lo:lo + CHUNK].float()                   # no copy when already float32
         c = c_all[lo:lo + CHUNK].float()
         m = b.numel()
-        d, a, t = d_buf[:m], a_buf[:m], t_buf[:m]
+        d, a, t, sa, z = d_buf[:m], a_buf[:m], t_buf[:m], s_buf[:m], z_buf[:m]
         torch.sub(c, b, out=d)                             # Δ
         n, sq, base_sq = m, float(torch.dot(d, d)), float(torch.dot(b, b))
         if not (math.isfinite(sq) and math.isfinite(base_sq)):   # slow path only if NaN/Inf present
@@ -240,11 +266,11 @@ def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[
             sq, base_sq = float(torch.dot(d, d)), float(torch.dot(b, b))
         torch.abs(d, out=a)                                # |Δ|
         max_abs = float(a.amax())
-        changed = int(torch.sign(a, out=t).sum())          # #(|Δ| > 0)
+        changed = int(torch.sign(a, out=sa).sum())         # #(|Δ| > 0); sa = 1 where changed, else 0
         if max_abs <= tol:
             above = 0
         elif tol > 0:
-            above = int(torch.sub(a, tol, out=t).clamp_(min=0).sign_().sum())   # #(|Δ| > tol)
+            above = int(torch.gt(a, tol, out=t).sum())     # #(|Δ| > tol): 0/1 floats, exact sum
         else:
             above = changed
         s += Sums(n=n, sq=sq, base_sq=base_sq, abs=float(a.sum()), max_abs=max_abs, changed=changed,
@@ -252,19 +278,26 @@ def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[
         if tops is None or not tops[0].k or changed == 0:
             continue
         if max_abs > tops[0].threshold():                  # else no coordinate here can enter
-            tops[0].push(a, tid, lo, d, b)
+            tops[0].push(a, tid, offset + lo, d, b)
         torch.abs(b, out=t)                                # |θ0|
-        if float(t.amin()) == 0:                           # changed coordinates with θ0 = 0: counted, not ranked
-            zero_base += int(torch.where(t == 0, a, 0.0).sign_().sum())
-        torch.div(a, t, out=t).nan_to_num_(nan=0.0, posinf=0.0)   # |Δ|/|θ0|; 0 where θ0 = 0
+        zeros = float(t.amin()) == 0
+        if zeros:                                          # changed coordinates with θ0 = 0: counted, not ranked
+            zero_base += int(torch.dot(sa, torch.eq(t, 0, out=z)))   # dot of 0/1 floats: exact below 2^24
+        torch.div(a, t, out=t)                             # |Δ|/|θ0|: inf (Δ != 0) or nan (Δ = 0) where θ0 = 0
+        if zeros:
+            t.nan_to_num_(nan=0.0, posinf=0.0)             # ... made 0 (not ranked); an overflow elsewhere
+        #                                                    stays inf and push_at skips it
         if float(t.amax()) > tops[1].threshold():
-            tops[1].push(t, tid, lo, d, b)
+            tops[1].push(t, tid, offset + lo, d, b)
     return s, bad_b, bad_c, zero_base
 
 
 def svd_summary(base: torch.Tensor, ckpt: torch.Tensor, top: int) -> dict:
-    """Top singular values of ΔW (2-D) and its entropy effective rank exp(H(σ/Σσ))."""
-    sv = torch.linalg.svdvals((ckpt.float() - base.float()).double())
+    """Top singular values of ΔW (2-D) and its entropy effective rank exp(H(σ/Σσ)). Non-finite
+    coordinates (NaN/Inf on either side) count as unchanged, as in every other metric."""
+    dw = ckpt.double() - base.double()
+    dw = torch.where(torch.isfinite(dw), dw, 0.0)
+    sv = torch.linalg.svdvals(dw)
     total = float(sv.sum())
     if total == 0:
         return {"top": [0.0] * min(top, sv.numel()), "effective_rank": 0.0}
@@ -282,31 +315,118 @@ def _names_list(kind: str, names: list[str], limit: int = 5) -> str:
     return f"{kind} ({len(names)}): {', '.join(names[:limit])}{more}"
 
 
-def _prefetched(jobs: list, load, nbytes) -> Iterator[tuple]:
-    """Yield (job, load(job)) in order while one background thread reads the next job's tensors.
+@contextlib.contextmanager
+def torch_threads(n: int = 1) -> Iterator[None]:
+    """Run torch's CPU ops on n threads for the duration (the process-wide setting is restored).
 
-    Reading (file I/O, page-cache copies) releases the GIL, and so do torch's kernels, so the next
-    pair is read while the current one is reduced: a diff then costs about max(read, compute)
-    instead of their sum. Memory stays bounded: a job is read ahead only when it and the pair being
-    reduced fit in 1.5x the largest pair (and always when both are under 64 MB), so peak memory
-    stays within ~3x the largest tensor plus the reduction buffers.
+    The reduction works on 1 MB chunks, where an intra-op thread team's fork/join costs more than it
+    saves, and the read-ahead thread needs a core of its own: on 2 cores, a diff of the SmolLM2-135M
+    pair took 1.3 s with 2 torch threads and 0.84 s with 1 (benchmarks/bench_diff.py, medians of 5).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+ALIGN = 64  # bytes: regions of the read-ahead arena start at multiples of this (any dtype can view them)
+
+
+def _aligned(n: int) -> int:
+    return max(ALIGN, -(-n // ALIGN) * ALIGN)
+
+
+class _Arena:
+    """A byte ring for read-ahead: variable-size regions taken in order and released in the same
+    order (FIFO), so the reader can run several tensor pairs ahead inside a fixed memory budget.
+
+    Used [tail, head) when not wrapped; [tail, end) + [0, head) when wrapped (then head <= tail).
+    take() blocks until the region fits; close() wakes a blocked take(), which then raises.
+    """
+
+    def __init__(self, capacity: int):
+        self.buf = torch.empty(capacity, dtype=torch.uint8)   # pages are touched (counted in RSS) when used
+        self.capacity = capacity
+        self.regions: deque[tuple[int, int]] = deque()       # (start, end), oldest first
+        self.head = 0
+        self.closed = False
+        self.cond = threading.Condition()
+
+    def _start(self, n: int) -> int | None:
+        if not self.regions:
+            return 0
+        tail = self.regions[0][0]
+        if self.head > tail:                                  # not wrapped: free [head, cap) and [0, tail)
+            if self.capacity - self.head >= n:
+                return self.head
+            return 0 if tail >= n else None
+        return self.head if tail - self.head >= n else None   # wrapped: free [head, tail)
+
+    def take(self, n: int) -> torch.Tensor:
+        """A region of n bytes (n <= capacity, a multiple of ALIGN)."""
+        with self.cond:
+            while (start := self._start(n)) is None and not self.closed:
+                self.cond.wait()
+            if self.closed:
+                raise RuntimeError("read-ahead arena closed")
+            self.regions.append((start, start + n))
+            self.head = start + n
+            return self.buf[start:start + n]
+
+    def release(self) -> None:
+        """Free the oldest region."""
+        with self.cond:
+            self.regions.popleft()
+            if not self.regions:
+                self.head = 0
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+def _prefetched(jobs: list, load, nbytes) -> Iterator[tuple]:
+    """Yield (job, load(job, region)) in order while a background thread reads ahead.
+
+    Reading (file I/O, page-cache copies) releases the GIL, and so do torch's kernels, so later
+    pairs are read while the current one is reduced: a diff then costs about max(read, compute)
+    instead of their sum. The reader fills regions of one reused arena (`load` gets a uint8 region
+    of nbytes(job) bytes to read into; reused pages read ~2x faster than fresh allocations) and
+    runs ahead as far as the arena allows: 1.25x the largest job, at least 64 MB. Streamed jobs are
+    PIECE-sized, so that is 64 MB; a source that reads whole tensors only (GGUF, .pt) makes it
+    ~2.5x the largest tensor. A yielded job's tensors are
+    valid until the next one is requested: their region is then handed back to the reader.
     """
     if not jobs:
         return
     sizes = [nbytes(j) for j in jobs]
-    limit = max(1.5 * max(sizes), 64 * 2**20)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltalens-read") as pool:
-        pending = pool.submit(load, jobs[0])
-        for i, job in enumerate(jobs):
-            tensors = pending.result()
-            pending = None
-            nxt = i + 1
-            if nxt < len(jobs) and sizes[i] + sizes[nxt] <= limit:
-                pending = pool.submit(load, jobs[nxt])
-            yield job, tensors
-            del tensors
-            if pending is None and nxt < len(jobs):
-                pending = pool.submit(load, jobs[nxt])   # too big to overlap: read after this one
+    arena = _Arena(max(int(1.25 * max(sizes)), 64 * 2**20, max(sizes)))
+    done: queue.Queue = queue.Queue()
+
+    def reader():
+        try:
+            for job, size in zip(jobs, sizes):
+                done.put((job, load(job, arena.take(size))))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            done.put(e)
+
+    thread = threading.Thread(target=reader, name="deltalens-read", daemon=True)
+    thread.start()
+    try:
+        for _ in jobs:
+            item = done.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            del item
+            arena.release()
+    finally:
+        arena.close()
+        thread.join()
 
 
 def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, topk: int = 100,
@@ -347,7 +467,12 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
     whole, groups, layers = Sums(), {}, {}
     tensors, nonfinite, zero_base_total = [], [], 0
     dtypes: Counter = Counter()
-    jobs = []  # (tid, name, bn, cn, float?): everything whose metadata allows a comparison
+    # Read jobs: (tid, name, bn, cn, float?, lo, hi) = coordinates [lo, hi) of a tensor pair. Float
+    # tensors of sources that read ranges (safetensors) stream in PIECE-sized jobs, so reading and
+    # reducing overlap from the first MB on and memory stays at the read-ahead arena whatever the
+    # tensor sizes; everything else (GGUF, .pt, integer buffers, tensors for svd) is one job.
+    jobs = []
+    streams = base.partial_reads and ckpt.partial_reads
     for tid, (name, bn, cn) in enumerate(pairs):
         bs, cs = base.shape(bn), ckpt.shape(cn)
         if bs != cs:
@@ -357,37 +482,55 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
         is_float = bd.is_floating_point and cd.is_floating_point
         if is_float and bd != cd:
             dtype_bad.append(f"{name} {str(bd).removeprefix('torch.')} vs {str(cd).removeprefix('torch.')}")
-        jobs.append((tid, name, bn, cn, is_float))
+        n = math.prod(bs)
+        step = PIECE if streams and is_float and not (svd and len(bs) == 2) else max(n, 1)
+        jobs += [(tid, name, bn, cn, is_float, lo, min(lo + step, n)) for lo in range(0, max(n, 1), step)]
 
-    def load(job):
-        return base.get(job[2]), ckpt.get(job[3])
+    def load(job, region):
+        _, _, bn, cn, _, lo, hi = job
+        nb = _aligned((hi - lo) * base.dtype(bn).itemsize)
+        return base.read_range(bn, lo, hi, region[:nb]), ckpt.read_range(cn, lo, hi, region[nb:])
 
     def nbytes(job):
-        return base.numel(job[2]) * (base.dtype(job[2]).itemsize + ckpt.dtype(job[3]).itemsize)
+        _, _, bn, cn, _, lo, hi = job
+        return _aligned((hi - lo) * base.dtype(bn).itemsize) + _aligned((hi - lo) * ckpt.dtype(cn).itemsize)
 
-    for (tid, name, bn, cn, is_float), (b, c) in _prefetched(jobs, load, nbytes):
-        if progress is not None:
-            progress(tid + 1, len(pairs))
-        if not is_float:
-            if not torch.equal(b, c):                      # integer buffers: not parameters
-                skipped_int.append(name)
-            continue
-        cd = c.dtype
-        s, bad_b, bad_c, zb = tensor_sums(b, c, tol, tops, tid)
-        zero_base_total += zb
-        if bad_b or bad_c:
-            nonfinite.append(f"{name} (base {bad_b}, checkpoint {bad_c})")
-        group, layer = param_group(name)
-        whole += s
-        groups.setdefault(group, Sums()).__iadd__(s)
-        layers.setdefault((layer, group), Sums()).__iadd__(s)
-        dtypes[str(cd).removeprefix("torch.")] += s.n
-        entry = {"name": name, "group": group, "layer": layer, "shape": list(c.shape),
-                 "dtype": str(cd).removeprefix("torch."), **s.metrics()}
-        if svd and b.dim() == 2:
-            entry["svd"] = svd_summary(b, c, svd)
-        tensors.append(entry)
-        del b, c
+    acc: tuple[Sums, list[int]] | None = None  # the tensor being reduced: (sums, [bad_b, bad_c])
+    threads = torch.get_num_threads()
+    with torch_threads(1):                                 # the reader thread has another core
+        for (tid, name, bn, cn, is_float, lo, hi), (b, c) in _prefetched(jobs, load, nbytes):
+            n, shape = math.prod(base.shape(bn)), base.shape(bn)
+            if hi == n and progress is not None:
+                progress(tid + 1, len(pairs))
+            if not is_float:                                   # integer buffers: not parameters
+                if not torch.equal(b, c):
+                    skipped_int.append(name)
+                continue
+            if lo == 0:
+                acc = (Sums(), [0, 0])
+            s, bad_b, bad_c, zb = tensor_sums(b, c, tol, tops, tid, offset=lo)
+            acc[0].__iadd__(s)
+            acc[1][0] += bad_b
+            acc[1][1] += bad_c
+            zero_base_total += zb
+            if hi < n:
+                continue                                       # more pieces of this tensor to come
+            s, (bad_b, bad_c) = acc
+            if bad_b or bad_c:
+                nonfinite.append(f"{name} (base {bad_b}, checkpoint {bad_c})")
+            group, layer = param_group(name)
+            whole += s
+            groups.setdefault(group, Sums()).__iadd__(s)
+            layers.setdefault((layer, group), Sums()).__iadd__(s)
+            cd = str(ckpt.dtype(cn)).removeprefix("torch.")
+            dtypes[cd] += s.n
+            entry = {"name": name, "group": group, "layer": layer, "shape": list(shape), "dtype": cd,
+                     **s.metrics()}
+            if svd and len(shape) == 2:
+                with torch_threads(threads):               # a LAPACK call that uses every core
+                    entry["svd"] = svd_summary(b.view(shape), c.view(shape), svd)
+            tensors.append(entry)
+            del b, c
 
     mismatches = []
     if missing:

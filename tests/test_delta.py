@@ -135,11 +135,13 @@ def test_chunking_gives_same_answer(monkeypatch):
         dd[dd.abs().argsort(descending=True)[:20]].tolist())
 
 
-@pytest.mark.parametrize("chunk", [5, 64, 1 << 22])
-def test_reduction_matches_naive_reference(monkeypatch, chunk):
+@pytest.mark.parametrize("chunk,block", [(5, 1024), (64, 1024), (1 << 22, 1024), (64, 2), (1 << 22, 3)])
+def test_reduction_matches_naive_reference(monkeypatch, chunk, block):
     """The fused, buffer-reusing reduction against plain formulas: counts, sums, both top-k lists
-    and the zero-base count, on tensors with unchanged coordinates, zero bases and ties at tol."""
+    and the zero-base count, on tensors with unchanged coordinates, zero bases and ties at tol.
+    Small blocks send the top-k candidate search through above_indices' block path."""
     monkeypatch.setattr(delta, "CHUNK", chunk)
+    monkeypatch.setattr(delta, "BLOCK", block)
     g = torch.Generator().manual_seed(3)
     base, ckpt = {}, {}
     for name, shape in [(Q0, (31, 9)), (NORM, (40,)), (DOWN1, (12, 17)), (EMB, (3, 5))]:
@@ -170,6 +172,98 @@ def test_reduction_matches_naive_reference(monkeypatch, chunk):
     n_zero = int(((b == 0) & (a > 0)).sum())
     assert n_zero > 0 and any(w_.startswith(f"{n_zero} changed coordinates have base value 0")
                               for w_ in r["warnings"])
+
+
+@pytest.mark.parametrize("n,block", [(100, 4), (1000, 7), (4096, 64), (50, 1024)])
+def test_above_indices_matches_nonzero(monkeypatch, n, block):
+    monkeypatch.setattr(delta, "BLOCK", block)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    for thr in (-10.0, 0.0, 1.5, 2.5, 10.0):                    # all, half, few, rare, none above
+        assert torch.equal(delta.above_indices(x, thr), torch.nonzero(x > thr).squeeze(1))
+
+
+@pytest.mark.parametrize("piece,chunk,svd", [(7, 5, 0), (7, 5, 2), (64, 1 << 18, 0), (1 << 21, 3, 0)])
+def test_streamed_pieces_match_in_memory(tmp_path, monkeypatch, piece, chunk, svd):
+    """safetensors files stream in PIECE-sized read-ahead jobs (2-D tensors whole when svd is on);
+    the result (metrics, top-k indices, warnings, svd) is the in-memory diff's, whatever PIECE and
+    CHUNK are."""
+    g = torch.Generator().manual_seed(5)
+    base = {EMB: torch.randn(13, 8, generator=g), Q0: torch.randn(9, 7, generator=g),
+            NORM: torch.ones(5), "model.layers.0.self_attn.q_proj.bias": torch.zeros(0),
+            "model.rotary.inv_freq_ids": torch.arange(6)}
+    base[EMB][0, :3] = 0.0                                            # zero bases (relative top-k skip)
+    ckpt = {k: (v + torch.randn(v.shape, generator=g) * (torch.rand(v.shape, generator=g) < 0.6)
+                if v.is_floating_point() else v.clone()) for k, v in base.items()}
+    ckpt[NORM] = ckpt[NORM].bfloat16()                                # dtype mismatch, compared in fp32
+    ckpt[Q0][2, 3] = float("nan")
+    ckpt["model.rotary.inv_freq_ids"][0] = 7
+    save_state_dict(base, tmp_path / "b.safetensors")
+    save_state_dict(ckpt, tmp_path / "c.safetensors")
+    want = diff_sources(DictSource(base), DictSource(ckpt), tol=0.1, topk=25, svd=svd)
+    monkeypatch.setattr(delta, "PIECE", piece)
+    monkeypatch.setattr(delta, "CHUNK", chunk)
+    from deltalens.checkpoint import open_tensors
+
+    with open_tensors(tmp_path / "b.safetensors") as sb, open_tensors(tmp_path / "c.safetensors") as sc:
+        assert sb.partial_reads
+        got = diff_sources(sb, sc, tol=0.1, topk=25, svd=svd)
+    assert got["topk"] == want["topk"] and got["warnings"] == want["warnings"]
+    got_by_name = {t["name"]: t for t in got["tensors"]}                # file order is by name
+    assert len(got_by_name) == len(want["tensors"])
+    for w in want["tensors"]:
+        h = got_by_name[w["name"]]
+        assert w.keys() == h.keys() and w["shape"] == h["shape"] and w["dtype"] == h["dtype"]
+        for k in delta.METRIC_KEYS:
+            assert h[k] == (None if w[k] is None else pytest.approx(w[k], rel=1e-5))   # None: empty
+        if "svd" in w:
+            assert h["svd"]["top"] == pytest.approx(w["svd"]["top"], rel=1e-5)
+            assert h["svd"]["effective_rank"] == pytest.approx(w["svd"]["effective_rank"], rel=1e-5)
+        else:
+            assert "svd" not in h
+    for k in delta.METRIC_KEYS:
+        assert got["whole"][k] == pytest.approx(want["whole"][k], rel=1e-5)
+
+
+def test_prefetched_arena_keeps_regions_until_released():
+    """The read-ahead ring hands out each job's region, never reuses it before the consumer moved
+    on, wraps around, re-raises reader errors, and stops its thread when the consumer quits early."""
+    sizes = [64 * (1 + (7 * i) % 23) for i in range(200)]          # 64 B .. 1.4 KB, in a 64 MB arena
+    sizes[50] = 64 * 2**20                                          # one job as large as the arena
+    seen = []
+
+    def load(job, region):
+        region.fill_(job % 251)
+        return region
+
+    for job, region in delta._prefetched(list(range(len(sizes))), load, lambda j: sizes[j]):
+        assert region.numel() == sizes[job] and bool((region == job % 251).all())
+        seen.append(job)
+    assert seen == list(range(len(sizes)))
+
+    arena = delta._Arena(256)                                       # wrap-around bookkeeping
+    a, b = arena.take(128), arena.take(64)
+    assert b.data_ptr() == a.data_ptr() + 128
+    arena.release()                                                 # frees a: [0, 128)
+    c = arena.take(128)                                             # does not fit after b: wraps to 0
+    assert c.data_ptr() == a.data_ptr()
+    assert arena._start(64) is None                                 # wrapped: free is [head, tail) = []
+    arena.release()                                                 # frees b
+    assert arena._start(128) == 128                                 # c stays; after it [128, 256) is free
+    arena.release()
+    assert arena._start(256) == 0 and not arena.regions
+
+    def failing(job, region):
+        if job == 3:
+            raise OSError("disk gone")
+        return region
+
+    with pytest.raises(OSError, match="disk gone"):
+        for _ in delta._prefetched(list(range(10)), failing, lambda j: 64):
+            pass
+    gen = delta._prefetched(list(range(1000)), load, lambda j: 32 * 2**20)   # 2 jobs fill the arena
+    next(gen)
+    gen.close()                                                     # reader blocked in take(): must exit
+    assert not any(t.name == "deltalens-read" for t in __import__("threading").enumerate())
 
 
 def test_nan_inf_reported_and_excluded():
