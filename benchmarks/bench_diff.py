@@ -227,6 +227,9 @@ def bench_pair(size: str, work: Path, layers: int, threads: int, repeat: int = 1
         "diff_mparams_s": round(diff["n_params"] / diff["seconds"] / 1e6, 1),
         "diff_over_read": round(diff["seconds"] / read["seconds"], 2),
         "repeats": repeat, "diff_over_read_each": [round(x, 2) for x in ratios],
+        "read_each_s": [round(r["seconds"], 2) for r in reads],     # in run order
+        "diff_each_s": [round(d["seconds"], 2) for d in diffs],
+        "diff_notopk_each_s": [round(d["seconds"], 2) for d in notopk],
         "diff_throughput_share_of_read": round(read["seconds"] / diff["seconds"], 3),
         "largest_tensor_mb": round(diff["largest_tensor_mb"], 1),
         "peak_rss_mb": round(diff["peak_rss_mb"], 1),
