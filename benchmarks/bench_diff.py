@@ -8,18 +8,20 @@ Two pairs of fp32 safetensors checkpoints are written to disk:
         a hand-written safetensors header so generation never holds a whole model
 
 For each pair, in fresh subprocesses (so peak RSS is per measurement) and with the files evicted
-from the page cache first (posix_fadvise DONTNEED; reads are cold unless the OS ignores it):
+from the page cache first (posix_fadvise DONTNEED; reads are cold unless the OS ignores it), or read
+once first with --cache warm:
   read   read both files once, sequentially in 64 MB blocks: the I/O floor
   diff   diff_checkpoints(base, [ckpt], topk=100): the full analysis
-  diff_notopk  the same with topk=0 (metrics per tensor/group/layer only: the top-k lists are 2/3 of
-         the compute, so this shows the streaming floor)
-and prints one JSON object (medians of --repeat alternated read/diff pairs): seconds, GB/s, diff/read time
-ratio (goal <= 2, i.e. diff throughput >= 50% of reading), peak RSS (VmHWM) against the
-budget 3 x largest tensor + 300 MB (the streaming design holds ~2 tensors + chunk temporaries);
-peak RSS is VmHWM of the measuring process, which includes torch's own ~200-300 MB after import.
+  diff_notopk  the same with topk=0 (metrics per tensor/group/layer only, no top-k lists)
+and prints one JSON object (medians of --repeat alternated read/diff/diff_notopk triples, and each
+run's seconds): seconds, GB/s, diff/read time ratio (goal <= 2, i.e. diff throughput >= 50% of
+reading), peak RSS (VmHWM) against the budget 3 x largest tensor + 300 MB (the streaming design holds
+a 64 MB read-ahead arena + MB-sized chunk buffers); peak RSS is VmHWM of the measuring process, which
+includes torch's own ~225 MB after import.
 
-    python benchmarks/bench_diff.py                    # both sizes (~3-4 min on 2 cores)
+    python benchmarks/bench_diff.py --repeat 5         # both sizes (~6 min on 2 cores)
     python benchmarks/bench_diff.py --size 135m        # quick
+    python benchmarks/bench_diff.py --size 135m --cache warm   # files in the page cache: compute-bound
     python benchmarks/bench_diff.py --size 1.5b --layers 8 --dir /big/tmp --keep --threads 1
 """
 

@@ -10,8 +10,9 @@ weights; building on Qiu et al., arXiv 2509.24372) needs two things from it:
    diff of two multi-GB checkpoints holds only a few tensors in memory.
 
 Formats read:
-    .safetensors           header parsed here, one positional read per tensor (not safe_open's
-                           mmap, whose touched pages inflate RSS to the file size)
+    .safetensors           header parsed here, one positional read per tensor or per range of a
+                           tensor (read_range), into reusable buffers where the caller gives them (not
+                           safe_open's mmap, whose touched pages inflate RSS to the file size)
     HF model directory     model.safetensors | model.safetensors.index.json (sharded) |
                            pytorch_model.bin | pytorch_model.bin.index.json (+ config.json)
     .pt / .pth / .bin      torch.load(weights_only=True) ALWAYS (never executes pickled code);
@@ -44,6 +45,7 @@ import os
 import pickle
 import secrets
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -355,6 +357,7 @@ class SafetensorsSource(TensorSource):
         self._map = weight_map
         self._headers: dict[Path, tuple[int, dict]] = {}  # file -> (data start, header)
         self._files: dict[Path, object] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def from_file(cls, file: Path, config: dict | None = None) -> SafetensorsSource:
@@ -409,13 +412,15 @@ class SafetensorsSource(TensorSource):
         lo, hi = e["data_offsets"]
         if out.numel() == 0:
             return out
-        if file not in self._files:
-            self._files[file] = open(file, "rb")  # noqa: SIM115 - kept open across get(); close()
-        f = self._files[file]
-        f.seek(start + lo + skip)
         buf = out.reshape(-1).view(torch.uint8).numpy()  # writable bytes of `out`
         whole = math.prod(e["shape"]) * _ST_DTYPES[e["dtype"]].itemsize
-        if hi - lo != whole or f.readinto(buf) != buf.nbytes:
+        with self._lock:                                  # seek + read: one thread at a time per source
+            if file not in self._files:
+                self._files[file] = open(file, "rb")  # noqa: SIM115 - kept open across get(); close()
+            f = self._files[file]
+            f.seek(start + lo + skip)
+            got = f.readinto(buf) if hi - lo == whole else -1
+        if got != buf.nbytes:
             raise DeltalensError(f"{file}: tensor {name} is truncated or mis-sized: "
                                  "re-download or re-save it")
         return out

@@ -62,6 +62,46 @@ def test_safetensors_tensor_is_a_private_copy(tmp_path):
         assert torch.equal(src.get("w"), torch.zeros(3))
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_read_range(tmp_path, suffix):
+    """read_range = the flat slice of get(); safetensors reads only the range, into a given buffer."""
+    sd = _sd()
+    path = save_state_dict(sd, tmp_path / f"m{suffix}")
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    with open_tensors(path) as src:
+        assert src.partial_reads == (suffix == ".safetensors")
+        for name in ("model.embed_tokens.weight", "model.norm.weight", "buf", "scalar", "empty"):
+            flat = sd[name].reshape(-1)
+            for lo, hi in [(0, flat.numel()), (1, max(flat.numel() - 2, 1)), (flat.numel(), flat.numel())]:
+                lo, hi = min(lo, flat.numel()), min(max(hi, lo), flat.numel())
+                got = src.read_range(name, lo, hi, buf if src.partial_reads else None)
+                assert got.dtype == flat.dtype and torch.equal(got, flat[lo:hi]), (name, lo, hi)
+                if src.partial_reads and hi > lo:
+                    assert got.data_ptr() == buf.data_ptr()      # read into the caller's buffer
+        if src.partial_reads:
+            with pytest.raises(ValueError, match="outside"):
+                src.read_range("buf", 2, 4)
+            with pytest.raises(ValueError, match="buffer"):
+                src.read_range("model.embed_tokens.weight", 0, 40, torch.zeros(8, dtype=torch.uint8))
+
+
+def test_safetensors_mis_sized_entry(tmp_path):
+    """A header whose byte span disagrees with shape x dtype is an error naming the file, not a wrong read."""
+    path = save_state_dict({"a": torch.ones(4), "b": torch.ones(4)}, tmp_path / "a.safetensors")
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8:8 + n])
+    head["a"]["shape"] = [3]
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (n - len(text))
+    (tmp_path / "bad.safetensors").write_bytes(raw[:8] + text + raw[8 + n:])
+    with open_tensors(tmp_path / "bad.safetensors") as src:
+        with pytest.raises(DeltalensError, match="bad.safetensors: tensor a is truncated or mis-sized"):
+            src.read_range("a", 0, 2)
+        with pytest.raises(DeltalensError, match="mis-sized"):
+            src.get("a")
+
+
 def test_safetensors_saves_views(tmp_path):
     w = torch.randn(3, 4)
     sd = {"t": w.t(), "row": w[1], "w": w}  # non-contiguous and overlapping views of one storage

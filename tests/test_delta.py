@@ -360,3 +360,13 @@ def test_cli_diff(tmp_path):
     assert rows[0].startswith("label,level,name,group,layer,n,l2") and rows[1].startswith("es,whole")
     res = runner.invoke(app, ["diff", str(b), str(tmp_path / "missing.pt")])
     assert res.exit_code == 2 and "no such file" in res.output
+    # a read error in the read-ahead thread: the same one-line error, exit 2, no JSON left behind
+    raw = save_state_dict(ckpt, tmp_path / "c.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8:8 + n])
+    head[Q1]["dtype"] = "F16"                                       # 8 bytes by shape, 16 in the file
+    text = json.dumps(head, separators=(",", ":")).encode()
+    (tmp_path / "bad.safetensors").write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+    res = runner.invoke(app, ["diff", str(b), str(tmp_path / "bad.safetensors"), "--json", str(tmp_path / "x.json")])
+    assert res.exit_code == 2 and "bad.safetensors: tensor" in res.output and "mis-sized" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "x.json").exists()
