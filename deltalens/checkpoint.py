@@ -260,10 +260,9 @@ class TensorSource:
         uint8, 64-byte aligned, at least (hi - lo) * itemsize bytes): reused memory skips the page
         faults of a fresh allocation, which makes large reads ~2x faster. Others slice get(name).
         """
+        if not 0 <= lo <= hi <= self.numel(name):
+            raise ValueError(f"range [{lo}, {hi}) outside {name} ({self.numel(name)} coordinates)")
         return self.get(name).reshape(-1)[lo:hi]
-
-    def nbytes(self, name: str) -> int:
-        return self.numel(name) * self.dtype(name).itemsize
 
     def numel(self, name: str) -> int:
         return math.prod(self.shape(name))
@@ -400,8 +399,8 @@ class SafetensorsSource(TensorSource):
         n = (hi - lo) * dtype.itemsize
         if buf is None:
             out = torch.empty(hi - lo, dtype=dtype)
-        elif buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < n:
-            raise ValueError(f"read_range needs a 1-D uint8 buffer of >= {n} bytes for {name}")
+        elif buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < n or not buf.is_contiguous():
+            raise ValueError(f"read_range needs a contiguous 1-D uint8 buffer of >= {n} bytes for {name}")
         else:
             out = buf[:n].view(dtype)
         return self._read(name, out, lo * dtype.itemsize)

@@ -303,13 +303,11 @@ def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[
         if max_abs > tops[0].threshold():                  # else no coordinate here can enter
             tops[0].push(a, tid, offset + lo, d, b)
         torch.abs(b, out=t)                                # |θ0|
-        zeros = float(t.amin()) == 0
-        if zeros:                                          # changed coordinates with θ0 = 0: counted, not ranked
+        if float(t.amin()) == 0:                           # changed coordinates with θ0 = 0: counted, not ranked
             zero_base += int(torch.dot(sa, torch.eq(t, 0, out=z)))   # dot of 0/1 floats: exact below 2^24
-        torch.div(a, t, out=t)                             # |Δ|/|θ0|: inf (Δ != 0) or nan (Δ = 0) where θ0 = 0
-        if zeros:
-            t.nan_to_num_(nan=0.0, posinf=0.0)             # ... made 0 (not ranked); an overflow elsewhere
-        #                                                    stays inf and push_at skips it
+        # |Δ|/|θ0|, made 0 (never ranked) where it is nan (Δ = 0 = θ0) or inf (θ0 = 0, or an overflow
+        # against a subnormal θ0): an inf would take a top-k slot while the list fills up
+        torch.div(a, t, out=t).nan_to_num_(nan=0.0, posinf=0.0)
         if float(t.amax()) > tops[1].threshold():
             tops[1].push(t, tid, offset + lo, d, b)
     return s, bad_b, bad_c, zero_base
@@ -318,9 +316,8 @@ def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[
 def svd_summary(base: torch.Tensor, ckpt: torch.Tensor, top: int) -> dict:
     """Top singular values of ΔW (2-D) and its entropy effective rank exp(H(σ/Σσ)). Non-finite
     coordinates (NaN/Inf on either side) count as unchanged, as in every other metric."""
-    dw = ckpt.double() - base.double()
-    dw = torch.where(torch.isfinite(dw), dw, 0.0)
-    sv = torch.linalg.svdvals(dw)
+    dw = (ckpt.float() - base.float()).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    sv = torch.linalg.svdvals(dw.double())
     total = float(sv.sum())
     if total == 0:
         return {"top": [0.0] * min(top, sv.numel()), "effective_rank": 0.0}
@@ -385,8 +382,9 @@ class _Arena:
     take() blocks until the region fits; close() wakes a blocked take(), which then raises.
     """
 
-    def __init__(self, capacity: int):
-        self.buf = torch.empty(capacity, dtype=torch.uint8)   # pages are touched (counted in RSS) when used
+    def __init__(self, capacity: int, buffered: bool = True):
+        # pages are touched (counted in RSS) when used; unbuffered: only the accounting, take() -> None
+        self.buf = torch.empty(capacity, dtype=torch.uint8) if buffered else None
         self.capacity = capacity
         self.regions: deque[tuple[int, int]] = deque()       # (start, end), oldest first
         self.head = 0
@@ -414,7 +412,7 @@ class _Arena:
                 raise RuntimeError("read-ahead arena closed")
             self.regions.append((start, start + n))
             self.head = start + n
-            return self.buf[start:start + n]
+            return None if self.buf is None else self.buf[start:start + n]
 
     def release(self) -> None:
         """Free the oldest region."""
@@ -430,7 +428,7 @@ class _Arena:
             self.cond.notify_all()
 
 
-def _prefetched(jobs: list, load, nbytes) -> Iterator[tuple]:
+def _prefetched(jobs: list, load, nbytes, buffered: bool = True) -> Iterator[tuple]:
     """Yield (job, load(job, region)) in order while a background thread reads ahead.
 
     Reading (file I/O, page-cache copies) releases the GIL, and so do torch's kernels, so later
@@ -438,14 +436,15 @@ def _prefetched(jobs: list, load, nbytes) -> Iterator[tuple]:
     instead of their sum. The reader fills regions of one reused arena (`load` gets a uint8 region
     of nbytes(job) bytes to read into; reused pages read ~2x faster than fresh allocations) and
     runs ahead as far as the arena allows: 1.25x the largest job, at least 64 MB. Streamed jobs are
-    PIECE-sized, so that is 64 MB; a source that reads whole tensors only (GGUF, .pt) makes it
-    ~2.5x the largest tensor. A yielded job's tensors are
-    valid until the next one is requested: their region is then handed back to the reader.
+    PIECE-sized, so that is 64 MB. With buffered=False (sources that read whole tensors into fresh
+    memory: GGUF, .pt) `load` gets None and the arena only counts bytes, ~2.5x the largest tensor.
+    A yielded job's tensors are valid until the next one is requested: their region is then handed
+    back to the reader.
     """
     if not jobs:
         return
     sizes = [nbytes(j) for j in jobs]
-    arena = _Arena(max(int(1.25 * max(sizes)), 64 * 2**20, max(sizes)))
+    arena = _Arena(max(int(1.25 * max(sizes)), 64 * 2**20, max(sizes)), buffered)
     done: queue.Queue = queue.Queue()
 
     def reader():
@@ -529,6 +528,8 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
 
     def load(job, region):
         _, _, bn, cn, _, lo, hi = job
+        if region is None:                                 # whole-tensor sources: fresh tensors
+            return base.read_range(bn, lo, hi), ckpt.read_range(cn, lo, hi)
         nb = _aligned((hi - lo) * base.dtype(bn).itemsize)
         return base.read_range(bn, lo, hi, region[:nb]), ckpt.read_range(cn, lo, hi, region[nb:])
 
@@ -536,30 +537,33 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
         _, _, bn, cn, _, lo, hi = job
         return _aligned((hi - lo) * base.dtype(bn).itemsize) + _aligned((hi - lo) * ckpt.dtype(cn).itemsize)
 
-    acc: tuple[Sums, list[int]] | None = None  # the tensor being reduced: (sums, [bad_b, bad_c])
+    acc = Sums()                                           # the tensor being reduced, over its pieces
+    bad = [0, 0]                                           # its non-finite counts (base, checkpoint)
     threads, work = torch.get_num_threads(), workspace()
-    # one torch thread: the reader thread has another core; closing: on an error, stop the reader now
-    with torch_threads(1), gc_frozen(), contextlib.closing(_prefetched(jobs, load, nbytes)) as stream:
+    # Streamed: one torch thread, as the reader thread has another core (whole-tensor sources keep
+    # torch's threads for their dequantisation). closing: on an error, stop the reader at once.
+    with (torch_threads(1) if streams else contextlib.nullcontext()), gc_frozen(), \
+            contextlib.closing(_prefetched(jobs, load, nbytes, buffered=streams)) as stream:
         for (tid, name, bn, cn, is_float, lo, hi), (b, c) in stream:
             n, shape = math.prod(base.shape(bn)), base.shape(bn)
-            if hi == n and progress is not None:
-                progress(tid + 1, len(pairs))
             if not is_float:                                   # integer buffers: not parameters
                 if not torch.equal(b, c):
                     skipped_int.append(name)
+                if progress is not None:
+                    progress(tid + 1, len(pairs))
                 continue
             if lo == 0:
-                acc = (Sums(), [0, 0])
+                acc, bad = Sums(), [0, 0]
             s, bad_b, bad_c, zb = tensor_sums(b, c, tol, tops, tid, offset=lo, work=work)
-            acc[0].__iadd__(s)
-            acc[1][0] += bad_b
-            acc[1][1] += bad_c
+            acc += s
+            bad[0] += bad_b
+            bad[1] += bad_c
             zero_base_total += zb
             if hi < n:
                 continue                                       # more pieces of this tensor to come
-            s, (bad_b, bad_c) = acc
-            if bad_b or bad_c:
-                nonfinite.append(f"{name} (base {bad_b}, checkpoint {bad_c})")
+            s = acc
+            if bad[0] or bad[1]:
+                nonfinite.append(f"{name} (base {bad[0]}, checkpoint {bad[1]})")
             group, layer = param_group(name)
             whole += s
             groups.setdefault(group, Sums()).__iadd__(s)
@@ -572,6 +576,8 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
                 with torch_threads(threads):               # a LAPACK call that uses every core
                     entry["svd"] = svd_summary(b.view(shape), c.view(shape), svd)
             tensors.append(entry)
+            if progress is not None:
+                progress(tid + 1, len(pairs))
             del b, c
 
     mismatches = []

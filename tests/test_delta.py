@@ -230,6 +230,8 @@ def test_prefetched_arena_keeps_regions_until_released():
     sizes = [64 * (1 + (7 * i) % 23) for i in range(200)]          # 64 B .. 1.4 KB, in a 64 MB arena
     sizes[50] = 64 * 2**20                                          # one job as large as the arena
     seen = []
+    unbuffered = [(j, r) for j, r in delta._prefetched([0, 1, 2], lambda j, r: r, lambda j: 64, buffered=False)]
+    assert unbuffered == [(0, None), (1, None), (2, None)]          # accounting only: load gets None
 
     def load(job, region):
         region.fill_(job % 251)
@@ -264,6 +266,16 @@ def test_prefetched_arena_keeps_regions_until_released():
     next(gen)
     gen.close()                                                     # reader blocked in take(): must exit
     assert not any(t.name == "deltalens-read" for t in __import__("threading").enumerate())
+
+
+def test_relative_overflow_does_not_take_a_topk_slot():
+    """|Δ|/|θ0| overflows to inf against a subnormal base: never ranked, and the finite ratios behind it
+    still fill the list (found in review: an inf used to take a slot while the list filled up)."""
+    base = {Q0: torch.tensor([1e-39, 1.0, 1.0, 1.0])}
+    ckpt = {Q0: torch.tensor([1e-39 + 1.0, 1.5, 1.3, 1.0])}
+    r = diff_sources(DictSource(base), DictSource(ckpt), topk=2)
+    assert [e["index"] for e in r["topk"]["rel"]["entries"]] == [1, 2]
+    assert [e["index"] for e in r["topk"]["abs"]["entries"]] == [0, 1]   # |Δ| itself is finite
 
 
 def test_nan_inf_reported_and_excluded():
