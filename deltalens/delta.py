@@ -260,7 +260,7 @@ def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[
     Speed: this loop is the whole cost of a diff after I/O, so every step writes into five
     preallocated chunk buffers (a fresh tensor per op costs an allocation and page faults) and avoids
     the slow ops (bool masks, count_nonzero, where, nonzero over a whole chunk): counts are sums or dots
-    of sign() (exact: a chunk has < 2^24 coordinates), and the top-k candidate searches run only when
+    of 0/1 floats (exact: a chunk has < 2^24 coordinates), and the top-k candidate searches run only when
     a cheap max shows a chunk can hold one, and then only in the blocks that can (above_indices).
     About 20 cheap memory passes per coordinate; see benchmarks/bench_diff.py.
     """
@@ -561,17 +561,16 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
             zero_base_total += zb
             if hi < n:
                 continue                                       # more pieces of this tensor to come
-            s = acc
             if bad[0] or bad[1]:
                 nonfinite.append(f"{name} (base {bad[0]}, checkpoint {bad[1]})")
             group, layer = param_group(name)
-            whole += s
-            groups.setdefault(group, Sums()).__iadd__(s)
-            layers.setdefault((layer, group), Sums()).__iadd__(s)
+            whole += acc
+            groups.setdefault(group, Sums()).__iadd__(acc)
+            layers.setdefault((layer, group), Sums()).__iadd__(acc)
             cd = str(ckpt.dtype(cn)).removeprefix("torch.")
-            dtypes[cd] += s.n
+            dtypes[cd] += acc.n
             entry = {"name": name, "group": group, "layer": layer, "shape": list(shape), "dtype": cd,
-                     **s.metrics()}
+                     **acc.metrics()}
             if svd and len(shape) == 2:
                 with torch_threads(threads):               # a LAPACK call that uses every core
                     entry["svd"] = svd_summary(b.view(shape), c.view(shape), svd)
