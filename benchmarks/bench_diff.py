@@ -190,17 +190,8 @@ def phase_diff(base: Path, ckpt: Path, topk: int = 100) -> dict:
             "warnings": d["warnings"]}
 
 
-def warm(*paths: Path) -> None:
-    """Read the files once so the measurement finds them in the page cache."""
-    buf = bytearray(64 * MB)
-    for p in paths:
-        with open(p, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-
-
 def measure(phase: str, base: Path, ckpt: Path, threads: int, cache: str = "cold") -> dict:
-    (warm if cache == "warm" else evict)(base, ckpt)
+    (phase_read if cache == "warm" else evict)(base, ckpt)   # warm: read once, into the page cache
     cmd = [sys.executable, __file__, "--phase", phase, "--threads", str(threads), str(base), str(ckpt)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

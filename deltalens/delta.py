@@ -545,7 +545,8 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
     with (torch_threads(1) if streams else contextlib.nullcontext()), gc_frozen(), \
             contextlib.closing(_prefetched(jobs, load, nbytes, buffered=streams)) as stream:
         for (tid, name, bn, cn, is_float, lo, hi), (b, c) in stream:
-            n, shape = math.prod(base.shape(bn)), base.shape(bn)
+            shape = base.shape(bn)
+            n = math.prod(shape)
             if not is_float:                                   # integer buffers: not parameters
                 if not torch.equal(b, c):
                     skipped_int.append(name)
