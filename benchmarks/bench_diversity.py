@@ -44,10 +44,10 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from deltalens.diversity import sigma_sweep
-    from deltalens.es import ESConfig
-    from deltalens.models import load_model
+    from deltalens.analysis.diversity import sigma_sweep
+    from deltalens.io.models import load_model
     from deltalens.tasks import get_task
+    from deltalens.training.es.config import ESConfig
 
     t0 = time.perf_counter()
     model, tok = load_model(args.model)

@@ -29,8 +29,12 @@ def bench(model_spec: str, population: int, prompts: int, iterations: int, max_n
           dtype: str) -> dict:
     import torch
 
-    from deltalens.es import ESConfig, ESEngine, LocalBackend, fitness_shaping, iteration_problems, make_task
-    from deltalens.models import load_model
+    from deltalens.io.models import load_model
+    from deltalens.training.es.backends import LocalBackend
+    from deltalens.training.es.config import ESConfig
+    from deltalens.training.es.engine import ESEngine
+    from deltalens.training.es.strategy import fitness_shaping, iteration_problems
+    from deltalens.training.run import make_task
 
     t0 = time.perf_counter()
     model, tok = load_model(model_spec, dtype=dtype)

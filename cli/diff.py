@@ -1,13 +1,12 @@
 """`deltalens diff` and `deltalens sparsify`: what changed in the weights, and how much of it matters.
 
 Thin typer commands (registered by cli/main.py): each declares its options and calls one library
-function (`deltalens.delta.diff_analysis`, `deltalens.sparsify.sparsify_analysis`), then prints rich
+function (`deltalens.analysis.delta.diff_analysis`, `deltalens.analysis.sparsify.sparsify_analysis`), then prints rich
 tables and writes analysis.json (docs/analysis-schema.md) atomically. Method: arXiv 2608.27351.
 """
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 from typing import Annotated
@@ -107,21 +106,11 @@ def print_diff(doc: dict) -> None:
 
 def write_csv(doc: dict, path: Path) -> None:
     """One row per (checkpoint, level, name): whole model, groups, (layer, group) cells and tensors."""
-    from deltalens.checkpoint import atomic_path
-    from deltalens.delta import METRIC_KEYS
+    from deltalens.analysis.delta import diff_table
+    from deltalens.io.atomic import atomic_path
 
-    fields = ["label", "level", "name", "group", "layer", *METRIC_KEYS]
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for label, d in doc["diff"].items():
-            w.writerow({"label": label, "level": "whole", **d["whole"]})
-            for g, m in d["groups"].items():
-                w.writerow({"label": label, "level": "group", "group": g, **m})
-            for r in d["layers"]:
-                w.writerow({"label": label, "level": "layer", **r})
-            for r in d["tensors"]:
-                w.writerow({"label": label, "level": "tensor", **r})
+    with atomic_path(path) as tmp:
+        diff_table(doc).to_csv(tmp, index=False)
 
 
 def diff_cmd(
@@ -136,8 +125,8 @@ def diff_cmd(
     svd: Svd = 0,
 ):
     """Weight distance of each checkpoint from the base: per group, per layer, whole model, ratios."""
-    from deltalens.checkpoint import write_json_atomic
-    from deltalens.delta import diff_analysis
+    from deltalens.analysis.delta import diff_analysis
+    from deltalens.io.atomic import write_json_atomic
 
     if tol < 0 or topk < 0 or svd < 0:
         raise DeltalensError("--tol, --topk and --svd must be >= 0")
@@ -167,8 +156,8 @@ def sparsify_cmd(
     label: Label = None,
 ):
     """Reset small weight changes (0 < |Δ| <= τ) to the base and measure how much Pass@K gain survives."""
-    from deltalens.checkpoint import write_json_atomic
-    from deltalens.sparsify import sparsify_analysis
+    from deltalens.analysis.sparsify import sparsify_analysis
+    from deltalens.io.atomic import write_json_atomic
 
     taus, targets, ks = _floats(thresholds, "thresholds"), _floats(sparsity, "sparsity"), _ints(k, "k")
 

@@ -43,8 +43,8 @@ def diversity(
     json_out: c.JsonOut = None,
 ):
     """Population diversity: JS across members (± standard error), JS of success, coverage vs centre."""
-    from deltalens.checkpoint import write_json_atomic
-    from deltalens.diversity import diversity_analysis
+    from deltalens.analysis.diversity import diversity_analysis
+    from deltalens.io.atomic import write_json_atomic
     from deltalens.tasks import get_task
 
     t = get_task(task, data=data, question_field=question_field, answer_field=answer_field)

@@ -31,8 +31,8 @@ def eval_cmd(
     device: c.Device = "auto",
 ):
     """Evaluate Pass@K and Maj@K (unbiased estimator, n samples per problem) and print a table."""
-    from deltalens.checkpoint import write_json_atomic
     from deltalens.evaluation import evaluate_models
+    from deltalens.io.atomic import write_json_atomic
     from deltalens.tasks import get_task
 
     t = get_task(task, data=data, question_field=question_field, answer_field=answer_field)

@@ -1,16 +1,21 @@
-"""Entry point of the `deltalens` console script: registers each command (one library call each)."""
+"""Entry point of the `deltalens` console script: registers each command (one library call each) and
+handles every error in one place: a usage error (unknown option, bad value, missing argument) and a
+DeltalensError both print one line and exit 2; tracebacks only with DELTALENS_DEBUG=1."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import typer
 
 from . import common
+from . import train as train_cmds
 from .demo import demo
 from .diff import diff_cmd, sparsify_cmd
 from .diversity import diversity
 from .eval import eval_cmd
 from .report import render, report
-from .train import train
 
 app = typer.Typer(
     name="deltalens",
@@ -36,7 +41,7 @@ def _root(version: bool = typer.Option(False, "--version", help="print the versi
 
 
 app.command("demo")(common.guard(demo))
-app.command("train")(common.guard(train))
+app.add_typer(train_cmds.app, name="train")
 app.command("eval")(common.guard(eval_cmd))
 app.command("diff")(common.guard(diff_cmd))
 app.command("sparsify")(common.guard(sparsify_cmd))
@@ -45,8 +50,31 @@ app.command("render")(common.guard(render))
 app.command("report")(common.guard(report))
 
 
-def main():
-    app()
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI on `argv` (default: sys.argv[1:]) and exit with its code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "train":
+        args = ["train", *train_cmds.rewrite_alias(args[1:])]
+    cmd = typer.main.get_command(app)
+    try:
+        rv = cmd.main(args=args, prog_name="deltalens", standalone_mode=False)
+    except Exception as e:  # click's exceptions (typer vendors its own copy of click: matched by shape)
+        if not (callable(getattr(e, "format_message", None)) and isinstance(getattr(e, "exit_code", None), int)):
+            raise
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()
+            sys.exit(0)
+        if os.environ.get("DELTALENS_DEBUG") == "1":
+            raise
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and e.exit_code == 2 else ""
+        common.console.print(f"[bold red]error:[/] {common.escape(e.format_message())}{common.escape(hint)}",
+                             highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        common.console.print("aborted")
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
 
 if __name__ == "__main__":

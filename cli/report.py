@@ -49,8 +49,8 @@ def report(
     """
     from deltalens.reports import render_report
 
-    from deltalens.analysis import build_analysis, default_report_path
-    from deltalens.checkpoint import write_json_atomic
+    from deltalens.analysis.report import build_analysis, default_report_path
+    from deltalens.io.atomic import write_json_atomic
 
     from . import common as c
 

@@ -1,165 +1,143 @@
-"""`deltalens train`: fine-tune a model with ES (and later GRPO, ES->GRPO) into a run directory.
+"""`deltalens train es|grpo|chain|resume`: fine-tune a model into a run directory.
 
-    deltalens train --method es --model tiny --task arith --out runs/es --iterations 30
-    deltalens train --method es --resume runs/es                       # continue a killed run
-    deltalens train --method es --model tiny --out runs/es-ray --backend ray --workers 2
-    deltalens train --method es --model tiny --out runs/es-lr --noise lowrank --rank 1 --population-batch 32
+    deltalens train es --model tiny --task arith --out runs/es --iterations 30
+    deltalens train grpo --model tiny --out runs/grpo --budget 1e6
+    deltalens train chain --methods es,grpo --out runs/es-grpo --budget 1e6 --es-sigma 6e-3 --grpo-lr 5e-5
+    deltalens train es --config run.yaml --out runs/x          # YAML supplies values; flags override it
+    deltalens train resume runs/es [--iterations 60]            # continue a killed (or finished) run
 
-`--method` dispatches through `METHODS`, a name -> trainer dict. A trainer is called as
-`trainer(opts, progress) -> Path` with `opts` a dict of every option of `train` (None where the user
-gave none) and `progress(done, total, row)` a callback that drives the progress bar (row: the metrics
-row with reward_mean/reward_max/timing.iteration_s, or None). A value may be a "module:function"
-string, imported only when that method is used, so `deltalens.grpo` provides `train_cli` for "grpo"
-(and can provide `train_es_grpo_cli` for "es-grpo") without this file importing it. Options a method
-needs beyond the ones below (e.g. GRPO's learning rate) are added to `train`'s signature; trainers
-read them from `opts` with .get() and ignore the rest.
+Every option of `es`, `grpo` and the stage options of `chain` (`--es-*`, `--grpo-*`) is generated from
+the config dataclasses (`deltalens.training.es.ESConfig`, `...grpo.GRPOConfig`,
+`...chain.ChainConfig`), help text included. An option a method does not have is refused by the
+parser; one it has but does not use in this configuration (e.g. `--workers` without `--backend ray`),
+an unknown YAML key or a value of the wrong type is refused with one line, before anything is written.
+
+The old form `deltalens train --method es|grpo|es-grpo|grpo-es ...` still works: `cli/main.py`
+rewrites it to the subcommand (es-grpo -> `chain --methods es,grpo`), and `--resume DIR` alone to
+`resume DIR`.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+import inspect
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from deltalens.errors import DeltalensError
+from deltalens.training.chain import ChainConfig
+from deltalens.training.es.config import ESConfig
+from deltalens.training.grpo.config import GRPOConfig
 
 from . import common as c
+from . import options as o
 
-Trainer = Callable[[dict, Callable], Path]
+app = typer.Typer(name="train", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Fine-tune a model (ES, GRPO, or a chain of both) into a run directory.")
 
-
-def _train_es(opts: dict[str, Any], progress) -> Path:
-    """ES: build an ESConfig from the preset + the options given, or from the run being resumed."""
-    from deltalens.es import ESConfig, train_es
-    from deltalens.runs import RunDir
-
-    fields = {"model": "model", "task": "task", "data": "data", "question_field": "question_field",
-              "answer_field": "answer_field", "population": "population", "sigma": "sigma", "alpha": "alpha",
-              "prompts_per_iteration": "prompts", "temperature": "temperature",
-              "max_new_tokens": "max_new_tokens", "antithetic": "antithetic", "fitness": "fitness",
-              "params": "params", "dtype": "dtype", "restore": "restore", "iterations": "iterations",
-              "eval_every": "eval_every", "eval_limit": "eval_limit", "checkpoint_every": "checkpoint_every",
-              "seed": "seed", "backend": "backend", "workers": "workers", "save_pt": "save_pt",
-              "noise": "noise", "rank": "rank", "population_batch": "population_batch", "device": "device"}
-    given = {f: opts[o] for f, o in fields.items() if opts.get(o) is not None}
-    if opts.get("resume") is not None:
-        # the run's own settings, with whatever was passed on top (train_es refuses trajectory changes)
-        stored = ESConfig.from_dict(RunDir(opts["out"]).config()).to_dict()
-        stored.pop("method")
-        config = ESConfig(**{**stored, **given})
-        return train_es(config, opts["out"], resume=True, progress=progress)
-    preset = opts.get("preset") or "auto"
-    if preset == "auto":
-        preset = "tiny" if given.get("model", "tiny") == "tiny" else "paper"
-    config = ESConfig.preset(preset, **given)
-    return train_es(config, opts["out"], resume=False, progress=progress, overwrite=bool(opts.get("overwrite")))
+RUN_PANEL = "Run"
 
 
-METHODS: dict[str, Trainer | str] = {
-    "es": _train_es,
-    "grpo": "deltalens.grpo:train_cli",
-    "es-grpo": "deltalens.sequence:train_cli",
-    "grpo-es": "deltalens.sequence:train_cli",
-}
+def _run_params() -> list[inspect.Parameter]:
+    """Options every new-run command has besides its config fields."""
+    def p(name, typ, *flags, help, default=None):
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                 annotation=Annotated[typ, typer.Option(*flags, help=help, rich_help_panel=RUN_PANEL)])
+
+    return [
+        p("out", Path | None, "--out", "-o", help="run directory to create"),
+        p("resume", Path | None, "--resume", help="continue the run in this directory (its settings, plus the "
+                                                  "options given, which may not change its trajectory)"),
+        p("config_file", Path | None, "--config", help="YAML (or JSON) file of options; flags given here override it"),
+        p("preset", str | None, "--preset", help="hyperparameter preset: auto (the model's own, else paper), "
+                                                 "paper, tiny"),
+        p("overwrite", bool, "--overwrite", help="replace an existing run in --out", default=False),
+    ]
 
 
-def resolve_method(name: str) -> Trainer:
-    """The trainer for `--method name` (imports "module:function" entries on first use)."""
-    if name not in METHODS:
-        raise DeltalensError(f"unknown --method {name!r}; choose one of {', '.join(METHODS)}")
-    fn = METHODS[name]
-    if isinstance(fn, str):
-        module, attr = fn.split(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError):
-            raise DeltalensError(f"--method {name} is not available in this version ({fn} is missing); "
-                                 "use --method es") from None
-    return fn
+def _progress_bar(label: str):
+    """(context manager, progress callback) for a training run's bar."""
+    bar = c.progress_bar()
+    state = {}
+
+    def progress(done: int, total: int, row: dict | None) -> None:
+        if "tid" not in state:
+            state["tid"] = bar.add_task(label, total=None)
+        desc = f"{label} it {done}/{total}"
+        if row is not None:
+            desc += (f"  reward {row['reward_mean']:.3f} (max {row['reward_max']:.3f})"
+                     f"  {row['timing']['iteration_s']:.1f} s/it")
+            if "eval" in row:
+                desc += f"  pass@1 {row['eval']['pass_at_1']:.3f}"
+        bar.update(state["tid"], completed=done, total=total, description=desc)
+
+    return bar, progress
 
 
-def train(
-    method: Annotated[str, typer.Option("--method", "-m", help="training method: es, grpo, es-grpo, grpo-es")] = "es",
-    model: Annotated[str | None, typer.Option("--model", help="base model: tiny, HF dir, run dir, .gguf, hub id")] = None,
-    task: Annotated[str | None, typer.Option("--task", "-t", help="task: arith, countdown, gsm8k, jsonl, ...")] = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="run directory to create")] = None,
-    resume: Annotated[Path | None, typer.Option("--resume", help="continue the run in this directory")] = None,
-    iterations: Annotated[int | None, typer.Option("--iterations", help="ES iterations (total, also on resume)")] = None,
-    steps: Annotated[int | None, typer.Option("--steps", help="GRPO optimizer steps")] = None,
-    budget: Annotated[str | None, typer.Option("--budget", help="FLOP-matched units (e.g. 2e6, 1.5M): sets iterations/steps; ES 2N, GRPO 8G per prompt")] = None,
-    es_fraction: Annotated[float | None, typer.Option("--es-fraction", help="es-grpo/grpo-es: share of --budget for the ES stage (default 0.5)")] = None,
-    init_from: Annotated[str | None, typer.Option("--init-from", help="start from this checkpoint / run dir (GRPO; the architecture is --model's)")] = None,
-    num_generations: Annotated[int | None, typer.Option("--num-generations", "-G", help="GRPO group size G")] = None,
-    lr: Annotated[float | None, typer.Option("--lr", help="GRPO learning rate")] = None,
-    lr_scheduler: Annotated[str | None, typer.Option("--lr-scheduler", help="GRPO LR schedule: constant, linear, cosine, ...")] = None,
-    beta: Annotated[float | None, typer.Option("--beta", help="GRPO KL coefficient β (k3)")] = None,
-    epsilon: Annotated[float | None, typer.Option("--epsilon", help="GRPO clip range ε")] = None,
-    loss_type: Annotated[str | None, typer.Option("--loss-type", help="GRPO loss: grpo, dr_grpo, dapo, bnpo")] = None,
-    micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="GRPO per-device micro batch (completions)")] = None,
-    use_vllm: Annotated[bool | None, typer.Option("--use-vllm/--no-use-vllm", help="GRPO generation through TRL's vLLM path (GPUs)")] = None,
-    save_pt: Annotated[bool | None, typer.Option("--save-pt/--no-save-pt", help="also save a .pt state dict per checkpoint")] = None,
-    backend: Annotated[str | None, typer.Option("--backend", help="member evaluation: local, ray, or vllm (GPUs)")] = None,
-    workers: Annotated[int | None, typer.Option("--workers", help="ray backend: actors (model replicas)")] = None,
-    preset: Annotated[str | None, typer.Option("--preset", help="ES hyperparameter preset: auto (tiny for the tiny model, else paper), tiny, paper")] = None,
-    population: Annotated[int | None, typer.Option("--population", "-N", help="ES population size N")] = None,
-    sigma: Annotated[float | None, typer.Option("--sigma", help="ES noise scale")] = None,
-    alpha: Annotated[float | None, typer.Option("--alpha", help="ES step size")] = None,
-    prompts: Annotated[int | None, typer.Option("--prompts", help="training prompts per iteration")] = None,
-    temperature: Annotated[float | None, typer.Option("--temperature", help="training decoding temperature (0 = greedy)")] = None,
-    max_new_tokens: c.MaxNewTokens = None,
-    antithetic: Annotated[bool | None, typer.Option("--antithetic/--no-antithetic", help="mirrored noise pairs")] = None,
-    fitness: Annotated[str | None, typer.Option("--fitness", help="reward shaping: zscore or centered_rank")] = None,
-    params: Annotated[str | None, typer.Option("--params", help="comma-separated globs of parameters to train; !glob excludes")] = None,
-    dtype: Annotated[str | None, typer.Option("--dtype", help="weight dtype: fp32, bf16, fp16")] = None,
-    restore: Annotated[str | None, typer.Option("--restore", help="after each member: copy (exact) or subtract (less memory)")] = None,
-    noise: Annotated[str | None, typer.Option("--noise", help="ES noise: full (dense) or lowrank (EGGROLL rank-r on 2-D weights)")] = None,
-    rank: Annotated[int | None, typer.Option("--rank", help="ES lowrank noise: rank r")] = None,
-    population_batch: Annotated[int | None, typer.Option("--population-batch", help="ES members per batched generation (0 = one by one)")] = None,
-    device: Annotated[str | None, typer.Option("--device", help="where the model trains: cpu, cuda (ES also cuda:N, auto)")] = None,
-    eval_every: Annotated[int | None, typer.Option("--eval-every", help="held-out greedy Pass@1 every k iterations (0 = never)")] = None,
-    eval_limit: Annotated[int | None, typer.Option("--eval-limit", help="test problems in that evaluation")] = None,
-    checkpoint_every: Annotated[int | None, typer.Option("--checkpoint-every", help="checkpoint every k iterations")] = None,
-    seed: Annotated[int | None, typer.Option("--seed", help="run seed (prompts and noise)")] = None,
-    data: c.Data = None,
-    question_field: Annotated[str | None, typer.Option("--question-field", help="jsonl task: question field name")] = None,
-    answer_field: Annotated[str | None, typer.Option("--answer-field", help="jsonl task: answer field name")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing run in --out")] = False,
+def _run(method: str, kwargs: dict, given: dict) -> None:
+    from deltalens.training.launch import start
+
+    bar, progress = _progress_bar(method)
+    with bar:
+        run_dir = start(method, out=kwargs["out"], resume=kwargs["resume"], given=given,
+                        yaml_path=kwargs["config_file"], preset=kwargs["preset"], overwrite=kwargs["overwrite"],
+                        progress=progress)
+    summary(Path(run_dir))
+
+
+def _es(kwargs: dict) -> None:
+    _run("es", kwargs, o.given(kwargs, ESConfig))
+
+
+def _grpo(kwargs: dict) -> None:
+    _run("grpo", kwargs, o.given(kwargs, GRPOConfig))
+
+
+def _chain(kwargs: dict) -> None:
+    given = o.given(kwargs, ChainConfig)
+    for method, cls in (("es", ESConfig), ("grpo", GRPOConfig)):
+        stage = o.given(kwargs, cls, prefix=f"{method}_")
+        if stage:
+            given[method] = stage
+    _run("chain", kwargs, given)
+
+
+_CHAIN_EXCLUDE = ("model", "task", "data", "question_field", "answer_field", "init_from", "budget")
+
+app.command("es")(c.guard(o.command(
+    "es", "Evolution Strategies (Qiu et al. 2025): seeded in-place population search; exact resume.",
+    _run_params() + o.config_params(ESConfig, panel="ES options"), _es)))
+app.command("grpo")(c.guard(o.command(
+    "grpo", "GRPO through TRL's GRPOTrainer, with the paper's settings set explicitly; exact resume.",
+    _run_params() + o.config_params(GRPOConfig, panel="GRPO options"), _grpo)))
+app.command("chain")(c.guard(o.command(
+    "chain", "ES then GRPO (or GRPO then ES) as one run directory; --budget is split between the stages.",
+    _run_params() + o.config_params(ChainConfig, panel="Chain options")
+    + o.config_params(ESConfig, prefix="es_", exclude=_CHAIN_EXCLUDE, panel="ES stage options")
+    + o.config_params(GRPOConfig, prefix="grpo_", exclude=_CHAIN_EXCLUDE, panel="GRPO stage options"),
+    _chain)))
+
+
+@app.command("resume")
+@c.guard
+def resume(
+    run_dir: Annotated[Path, typer.Argument(help="the run directory to continue (its method is read from it)")],
+    iterations: Annotated[int | None, typer.Option("--iterations", help="ES: total iterations (grow a run)")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="GRPO: total steps (grow a run; constant LR only)")
+                     ] = None,
 ):
-    """Fine-tune a model (ES, GRPO, or one then the other) into a run directory: config.json,
-    metrics.jsonl, HF checkpoints. Options a method does not use are ignored."""
-    if resume is not None:
-        if out is not None and Path(out).resolve() != Path(resume).resolve():
-            raise DeltalensError(f"--out {out} and --resume {resume} differ; pass only --resume {resume}")
-        out = resume
-    if out is None:
-        raise DeltalensError("pass --out DIR for a new run (or --resume DIR to continue one)")
-    opts = {k: v for k, v in locals().items() if k not in ("method",)}
-    opts["out"] = out
-    opts["method"] = method
-    for absent in ("autocast", "gradient_checkpointing"):  # GRPO fields with no flag (yet)
-        opts.setdefault(absent, None)
-    trainer = resolve_method(method)
-    with c.progress_bar() as bar:
-        tid = bar.add_task(f"{method}", total=None)
+    """Continue a killed (or finished) run with its own method and settings."""
+    from deltalens.training.launch import resume_run
 
-        def progress(done: int, total: int, row: dict | None) -> None:
-            desc = f"{method} it {done}/{total}"
-            if row is not None:
-                desc += (f"  reward {row['reward_mean']:.3f} (max {row['reward_max']:.3f})"
-                         f"  {row['timing']['iteration_s']:.1f} s/it")
-                if "eval" in row:
-                    desc += f"  pass@1 {row['eval']['pass_at_1']:.3f}"
-            bar.update(tid, completed=done, total=total, description=desc)
-
-        run_dir = trainer(opts, progress)
-    _summary(Path(run_dir))
+    given = {k: v for k, v in {"iterations": iterations, "steps": steps}.items() if v is not None}
+    bar, progress = _progress_bar(run_dir.name)
+    with bar:
+        out = resume_run(run_dir, given=given, progress=progress)
+    summary(Path(out))
 
 
-def _summary(run_dir: Path) -> None:
-    from deltalens.runs import RunDir
+def summary(run_dir: Path) -> None:
+    from deltalens.io.runs import RunDir
 
     rows = RunDir(run_dir).metrics()
     train_rows = [r for r in rows if "reward_mean" in r]
@@ -172,3 +150,31 @@ def _summary(run_dir: Path) -> None:
         msg += f"  held-out pass@1 {evals[0][1]:.3f} (it {evals[0][0]}) -> {evals[-1][1]:.3f} (it {evals[-1][0]})"
     c.console.print(msg, highlight=False)
     typer.echo(str(run_dir))
+
+
+def rewrite_alias(args: list[str]) -> list[str]:
+    """`train --method M ...` -> `train <subcommand> ...`; `train --resume DIR` -> `train resume DIR`.
+
+    `args` are the words after `train`. Anything else is returned unchanged.
+    """
+    if not args or not args[0].startswith("-") or args[0] in ("--help", "-h"):
+        return args
+    rest, method = [], None
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in ("--method", "-m") and i + 1 < len(args):
+            method, i = args[i + 1], i + 2
+            continue
+        if a.startswith("--method="):
+            method = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    if method is None:
+        if "--resume" in rest and not any(x.startswith("--") and x != "--resume" for x in rest):
+            j = rest.index("--resume")
+            return ["resume", *rest[j + 1:j + 2]]
+        method = "es"  # the old default
+    chains = {"es-grpo": ["chain", "--methods", "es,grpo"], "grpo-es": ["chain", "--methods", "grpo,es"]}
+    return [*chains.get(method, [method]), *rest]

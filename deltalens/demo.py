@@ -5,7 +5,7 @@
 
 What it runs, in order (each step reuses what an earlier, identical run left on disk):
 1. ES on `tiny`/`arith` (the tiny preset) for `es_iterations x budget` iterations -> runs/es
-2. GRPO (TRL, tiny preset) for the FLOP-matched number of steps (deltalens.budget: N = 4G) -> runs/grpo
+2. GRPO (TRL, tiny preset) for the FLOP-matched number of steps (deltalens.training.budget: N = 4G) -> runs/grpo
 3. ES -> GRPO, the same total budget split half/half -> runs/es-grpo
 4. `deltalens report tiny runs/es runs/grpo runs/es-grpo`: Pass@1/16/32 of all four on held-out test
    problems, weight diff, sparsification at target sparsities (global τ, re-evaluated), population
@@ -22,7 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from deltalens.analysis.report import build_analysis
 from deltalens.errors import DeltalensError
+from deltalens.evaluation import parse_ks
+from deltalens.io.atomic import write_json_atomic
+from deltalens.io.runs import RunDir
+from deltalens.reports import render_report
+from deltalens.training.budget import es_units, steps_for_budget
+from deltalens.training.chain import train_chain
+from deltalens.training.es.config import ESConfig
+from deltalens.training.es.train import train_es
+from deltalens.training.grpo.config import GRPOConfig
+from deltalens.training.grpo.train import train_grpo
 
 
 @dataclass
@@ -50,16 +61,6 @@ class DemoConfig:
 
 def run_demo(cfg: DemoConfig, progress_factory=None, log: Callable[[str], None] = print) -> dict:
     """Run the demo (see module docstring); returns the analysis dict and writes the report."""
-    from deltalens.analysis import build_analysis
-    from deltalens.budget import es_units, steps_for_budget
-    from deltalens.checkpoint import write_json_atomic
-    from deltalens.es import ESConfig, train_es
-    from deltalens.evaluation import parse_ks
-    from deltalens.grpo import GRPORunConfig, train_grpo
-    from deltalens.reports import render_report
-    from deltalens.runs import RunDir
-    from deltalens.sequence import train_sequence
-
     out = Path(cfg.out)
     runs = out / "runs"
     t_start = time.time()
@@ -68,9 +69,9 @@ def run_demo(cfg: DemoConfig, progress_factory=None, log: Callable[[str], None] 
     es_cfg = ESConfig.preset("tiny", model=cfg.model, task=cfg.task, seed=cfg.seed,
                              iterations=max(1, round(cfg.es_iterations * cfg.budget)))
     units = es_units(es_cfg.iterations, es_cfg.prompts_per_iteration, es_cfg.population)
-    grpo_base = GRPORunConfig.preset("tiny", model=cfg.model, task=cfg.task, seed=cfg.seed)
+    grpo_base = GRPOConfig.preset("tiny", model=cfg.model, task=cfg.task, seed=cfg.seed)
     grpo_steps = steps_for_budget(units, grpo_base.prompts_per_step, grpo_base.num_generations)
-    grpo_cfg = GRPORunConfig.preset("tiny", model=cfg.model, task=cfg.task, seed=cfg.seed, steps=grpo_steps)
+    grpo_cfg = GRPOConfig.preset("tiny", model=cfg.model, task=cfg.task, seed=cfg.seed, steps=grpo_steps)
     log(f"budget {units:,} units: ES {es_cfg.iterations} iterations (N={es_cfg.population}, "
         f"{es_cfg.prompts_per_iteration} prompts) = GRPO {grpo_steps} steps "
         f"(G={grpo_cfg.num_generations}, {grpo_cfg.prompts_per_step} prompts)")
@@ -81,13 +82,9 @@ def run_demo(cfg: DemoConfig, progress_factory=None, log: Callable[[str], None] 
         update = progress_factory(name, total)
         return lambda done, _total, row=None: update(done, total)
 
-    def done_already(run_dir: Path, total: int) -> bool:
-        rows = RunDir(run_dir).metrics()
-        return (run_dir / "checkpoints" / "final" / "config.json").exists() and len(rows) >= total
-
     def stage(name, run_dir, total, fn):
         t0 = time.time()
-        if done_already(run_dir, total):
+        if RunDir(run_dir).finished(total):
             log(f"{name}: reusing {run_dir}")
         else:
             fn()
@@ -99,7 +96,7 @@ def run_demo(cfg: DemoConfig, progress_factory=None, log: Callable[[str], None] 
           lambda: train_grpo(grpo_cfg, runs / "grpo", progress=bar("train GRPO", grpo_steps), overwrite=True))
     seq_total = max(1, es_cfg.iterations // 2) + max(1, grpo_steps // 2)
     stage("es-grpo", runs / "es-grpo", seq_total,
-          lambda: train_sequence(runs / "es-grpo", ("es", "grpo"), model=cfg.model, task=cfg.task, budget=units,
+          lambda: train_chain(runs / "es-grpo", ("es", "grpo"), model=cfg.model, task=cfg.task, budget=units,
                                  es_config=es_cfg, grpo_config=grpo_cfg, overwrite=True,
                                  progress=bar("train ES->GRPO", seq_total)))
 

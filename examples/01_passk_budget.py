@@ -3,7 +3,7 @@
     python examples/01_passk_budget.py --seeds 0,1,2            # tiny, budget 10240 units per method
     python examples/01_passk_budget.py --quick --seeds 0         # seconds (tests)
 
-Each method gets the same compute (deltalens.budget: ES N=32 x P=8 prompts = 512 units/iteration,
+Each method gets the same compute (deltalens.training.budget: ES N=32 x P=8 prompts = 512 units/iteration,
 GRPO G=8 x P=8 = 512 units/step; default budget 10240 = 20 ES iterations = 20 GRPO steps; the sequences
 split it half/half). Every model is evaluated on the same 100 `arith` test problems x 32 samples (T=0.6).
 Cost on 2 shared CPU cores: per seed ES ~4 min, GRPO ~35 s, each sequence ~100 s, ~15-20 s per evaluation

@@ -4,7 +4,7 @@
     python examples/02_distance.py --quick --seeds 0     # seconds (tests)
 
 For each seed: ||θ - θ0|| / ||θ0|| (rel_l2) of the ES and GRPO final checkpoints against the base, per
-parameter group too, and the ratio ES/GRPO (deltalens.delta.diff_checkpoints). Cost: seconds once the runs
+parameter group too, and the ratio ES/GRPO (deltalens.analysis.delta.diff_checkpoints). Cost: seconds once the runs
 exist (training them: see 01). Writes <out>/02_distance.json.
 """
 
@@ -18,8 +18,8 @@ import _common as C
 
 
 def diffs(args, s, seed, methods=("es", "grpo")):
-    from deltalens.delta import diff_checkpoints
-    from deltalens.models import resolve
+    from deltalens.analysis.delta import diff_checkpoints
+    from deltalens.io.spec import resolve
 
     runs = [C.ensure_run(args.runs, m, seed, s, args.quick, model=args.model)[0] for m in methods]
     base = resolve(args.model)[1]

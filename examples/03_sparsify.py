@@ -21,9 +21,9 @@ import _common as C
 
 
 def main(argv=None) -> dict:
+    from deltalens.analysis.sparsify import sparsify_sweep
     from deltalens.evaluation import evaluate_state_dict
-    from deltalens.models import resolve
-    from deltalens.sparsify import sparsify_sweep
+    from deltalens.io.spec import resolve
 
     ap = C.parser(__doc__, seeds="0")
     ap.add_argument("--methods", default="es,grpo")

@@ -41,8 +41,8 @@ def render(comps: dict[str, dict]) -> str:
 
 
 def main(argv=None) -> dict:
-    from deltalens.delta import diff_checkpoints
-    from deltalens.models import resolve
+    from deltalens.analysis.delta import diff_checkpoints
+    from deltalens.io.spec import resolve
 
     ap = C.parser(__doc__)
     ap.add_argument("--methods", default="es,grpo,es-grpo,grpo-es")

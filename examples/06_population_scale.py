@@ -6,7 +6,7 @@
         # on 2 CPU cores), then 2 sizes x 4 N x seeds ES runs of --iterations each (N=64: ~30 s/iteration)
     python examples/06_population_scale.py --device cuda --population-batch 64 --seeds 0,1
         # on one GPU: the large model builds in seconds, every member of an iteration generates in one
-        # batch (deltalens.es_population; noise is still drawn on the CPU)
+        # batch (deltalens.training.es.population; noise is still drawn on the CPU)
     python examples/06_population_scale.py --quick                       # seconds (tests)
 
 Each (size, N) run uses the tiny ES preset (σ 6e-3, α 3e-3, antithetic) with P=8 prompts for a fixed number of
@@ -44,8 +44,8 @@ def build_large(runs: Path, quick: bool, device: str = "cpu") -> Path:
 
 
 def main(argv=None) -> dict:
-    from deltalens.es import train_es
-    from deltalens.runs import RunDir
+    from deltalens.io.runs import RunDir
+    from deltalens.training.es.train import train_es
 
     ap = C.parser(__doc__, seeds="0")
     ap.add_argument("--populations", default="8,16,32,64")

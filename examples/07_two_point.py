@@ -5,7 +5,7 @@
     python examples/07_two_point.py --quick --seeds 0                      # seconds (tests)
 
 At the base model (tiny) and σ (default 1e-3, as asked; the tiny preset trains with 3e-3), draw K noise
-vectors ε_k (deltalens.es.ESEngine with antithetic pairs, so members 2k / 2k+1 are +ε_k / -ε_k) and score
+vectors ε_k (deltalens.training.es.engine.ESEngine with antithetic pairs, so members 2k / 2k+1 are +ε_k / -ε_k) and score
 each on the same P training prompts (greedy, as ES trains): R+_k, R-_k. Reported:
   rho            Pearson correlation of (R+_k, R-_k) over k
   var_paired     Var_k[(R+_k - R-_k)/2]           the coefficient of ε_k in the antithetic estimate
@@ -33,8 +33,11 @@ def pearson(a, b):
 
 
 def measure(model_spec: str, sigma: float, pairs: int, prompts: int, seed: int, iteration: int = 1) -> dict:
-    from deltalens.es import ESConfig, ESEngine, iteration_problems, make_task, new_timing
-    from deltalens.models import load_model
+    from deltalens.io.models import load_model
+    from deltalens.training.es.config import ESConfig
+    from deltalens.training.es.engine import ESEngine, new_timing
+    from deltalens.training.es.strategy import iteration_problems
+    from deltalens.training.run import make_task
 
     cfg = ESConfig(model=model_spec, population=2 * pairs, sigma=sigma, antithetic=True,
                    prompts_per_iteration=prompts, seed=seed, eval_every=0)

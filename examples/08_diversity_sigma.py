@@ -4,7 +4,7 @@
     python examples/08_diversity_sigma.py --quick                                          # seconds (tests)
 
 For each σ: an ES population of N members θ + σ ε_i around the base model (fresh noise, seed), each
-sampling `samples` responses per test prompt at T=0.6 (deltalens.diversity.diversity_section):
+sampling `samples` responses per test prompt at T=0.6 (deltalens.analysis.diversity.diversity_section):
 JS between the members' response distributions (js_mean ± se, of log N max), JS of the success
 indicator (js_succ), the population's coverage (Pass@N with one sample per member) vs the centre's
 Pass@N, and the members' mean success p. The paper argues that a wider population covers more.
@@ -21,7 +21,7 @@ import _common as C
 
 
 def main(argv=None) -> dict:
-    from deltalens.diversity import diversity_section
+    from deltalens.analysis.diversity import diversity_section
     from deltalens.tasks import get_task
 
     ap = C.parser(__doc__, seeds="0")

@@ -5,7 +5,7 @@
 
 Both methods train the bundled tiny model with otherwise identical settings (the FLOP-matched settings of
 example 01) in two weight dtypes: fp32, and bf16 (ESConfig.dtype="bf16": bf16 weights, noise and update
-in fp32 rounded once per iteration; GRPORunConfig.dtype="bf16": bf16 weights + bf16 autocast, TRL's
+in fp32 rounded once per iteration; GRPOConfig.dtype="bf16": bf16 weights + bf16 autocast, TRL's
 `bf16=True`, so AdamW updates are rounded to bf16 weights). Each run is diffed against the base *in its
 own dtype* (the bf16 runs against the base rounded to bf16, saved once to --runs/base-bf16), so rounding
 the base is not counted as an update. Reported per run:
@@ -25,7 +25,8 @@ import _common as C
 
 
 def base_in(dtype: str, runs: Path, model: str) -> Path:
-    from deltalens.models import load_model, resolve
+    from deltalens.io.models import load_model
+    from deltalens.io.spec import resolve
 
     if dtype == "fp32":
         return Path(resolve(model)[1])
@@ -38,8 +39,8 @@ def base_in(dtype: str, runs: Path, model: str) -> Path:
 
 
 def main(argv=None) -> dict:
-    from deltalens.delta import diff_checkpoints
-    from deltalens.models import resolve
+    from deltalens.analysis.delta import diff_checkpoints
+    from deltalens.io.spec import resolve
 
     ap = C.parser(__doc__, seeds="0")
     ap.add_argument("--dtypes", default="fp32,bf16")

@@ -66,7 +66,7 @@ def probe(model, tok, task_name: str, style: str, n_problems: int, samples: int,
 
 
 def main(argv=None) -> dict:
-    from deltalens.models import load_model
+    from deltalens.io.models import load_model
 
     ap = C.parser(__doc__, seeds="0")
     ap.add_argument("--problems", type=int, default=16, help="prompts per setting (zero-shot: 8)")

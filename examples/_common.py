@@ -36,7 +36,7 @@ def parser(doc: str, seeds: str = "0,1,2") -> argparse.ArgumentParser:
     ap.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="run cache shared by the examples")
     ap.add_argument("--model", default="tiny", help="base model spec (default tiny)")
     ap.add_argument("--budget", type=float, default=None,
-                    help="compute units per method (deltalens.budget; default: 10240, quick 64)")
+                    help="compute units per method (deltalens.training.budget; default: 10240, quick 64)")
     ap.add_argument("--limit", type=int, default=None, help="test problems per evaluation (default 100, quick 4)")
     ap.add_argument("--samples", type=int, default=None, help="samples per problem (default 32, quick 4)")
     return ap
@@ -64,7 +64,7 @@ def settings(args) -> dict:
 
 
 def es_config(s: dict, seed: int, model: str = "tiny", **over):
-    from deltalens.es import ESConfig
+    from deltalens.training.es.config import ESConfig
 
     base = {"model": model, "population": s["N"], "prompts_per_iteration": s["P_es"], "seed": seed,
             "eval_every": 0, "checkpoint_every": 0}
@@ -72,11 +72,11 @@ def es_config(s: dict, seed: int, model: str = "tiny", **over):
 
 
 def grpo_config(s: dict, seed: int, model: str = "tiny", **over):
-    from deltalens.grpo import GRPORunConfig
+    from deltalens.training.grpo.config import GRPOConfig
 
     base = {"model": model, "num_generations": s["G"], "prompts_per_step": s["P_grpo"], "seed": seed,
             "eval_every": 0, "save_every": 0}
-    return GRPORunConfig.preset("tiny" if model == "tiny" or "tiny" in str(model) else "paper", **{**base, **over})
+    return GRPOConfig.preset("tiny" if model == "tiny" or "tiny" in str(model) else "paper", **{**base, **over})
 
 
 def final_exists(run: Path) -> bool:
@@ -96,7 +96,7 @@ def ensure_run(runs: Path, method: str, seed: int, s: dict, quick: bool, *, mode
     """Train `method` (es, grpo, es-grpo, grpo-es) at budget s['budget'] unless its final checkpoint exists.
 
     Returns (run dir, wall seconds spent training now; 0 when reused)."""
-    from deltalens.budget import iterations_for_budget, steps_for_budget
+    from deltalens.training.budget import iterations_for_budget, steps_for_budget
 
     run = Path(runs) / f"{method}-{run_tag(s, quick, dtype, tag_extra)}-s{seed}"
     if final_exists(run):
@@ -108,21 +108,21 @@ def ensure_run(runs: Path, method: str, seed: int, s: dict, quick: bool, *, mode
     if method == "es":
         import dataclasses
 
-        from deltalens.es import train_es
+        from deltalens.training.es.train import train_es
 
         es_c = dataclasses.replace(es_c, iterations=iterations_for_budget(s["budget"], s["P_es"], s["N"]))
         train_es(es_c, run, overwrite=True)
     elif method == "grpo":
         import dataclasses
 
-        from deltalens.grpo import train_grpo
+        from deltalens.training.grpo.train import train_grpo
 
         gr_c = dataclasses.replace(gr_c, steps=steps_for_budget(s["budget"], s["P_grpo"], s["G"]))
         train_grpo(gr_c, run, overwrite=True)
     elif method in ("es-grpo", "grpo-es"):
-        from deltalens.sequence import train_sequence
+        from deltalens.training.chain import train_chain
 
-        train_sequence(run, tuple(method.split("-")), model=model, budget=s["budget"], es_config=es_c,
+        train_chain(run, tuple(method.split("-")), model=model, budget=s["budget"], es_config=es_c,
                        grpo_config=gr_c, overwrite=True)
     else:
         raise ValueError(method)
@@ -132,7 +132,7 @@ def ensure_run(runs: Path, method: str, seed: int, s: dict, quick: bool, *, mode
 def evaluate_spec(spec, task: str, s: dict, seed: int = 0, dtype: str = "fp32") -> dict:
     """Pass@K (and mean reward) of a model spec on `task`'s first s['limit'] test problems."""
     from deltalens.evaluation import evaluate
-    from deltalens.models import load_model
+    from deltalens.io.models import load_model
     from deltalens.tasks import get_task
 
     model, tok = load_model(str(spec), dtype=dtype)

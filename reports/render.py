@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DeltalensError
+from ..schema import SCHEMA_VERSION, check_version
 from .common import Context, esc
 from .figures import BUILDERS, TEMPLATE, Figure
 from .tables import (
@@ -32,8 +33,6 @@ from .tables import (
     summary_table,
     warnings_list,
 )
-
-SCHEMA_VERSION = 1
 
 # section key -> (title, how to add it). Shown in the "not in this analysis" note.
 SECTIONS: dict[str, tuple[str, str]] = {
@@ -63,17 +62,7 @@ def validate(analysis: Any) -> dict:
     """Check the envelope of an analysis; return it. Raises DeltalensError with a one-line message."""
     if not isinstance(analysis, dict):
         raise DeltalensError(f"analysis.json must hold a JSON object, not {type(analysis).__name__}")
-    if "schema_version" not in analysis:
-        raise DeltalensError("analysis.json has no schema_version: it was not written by deltalens "
-                             f"(this version reads schema_version {SCHEMA_VERSION})")
-    v = analysis["schema_version"]
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise DeltalensError(f"analysis.json schema_version must be an integer, got {v!r}")
-    if v > SCHEMA_VERSION:
-        raise DeltalensError(f"analysis.json has schema_version {v} but this deltalens ({_renderer_version()}) "
-                             f"reads up to {SCHEMA_VERSION}: upgrade deltalens to render it")
-    if v < 1:
-        raise DeltalensError(f"analysis.json has unsupported schema_version {v} (expected {SCHEMA_VERSION})")
+    check_version(analysis, _renderer_version())
     return analysis
 
 

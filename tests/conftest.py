@@ -25,7 +25,7 @@ def rand_model_dir(tmp_path_factory):
 
 
 def smollm2_path():
-    from deltalens.models import smollm2_gguf
+    from deltalens.io.spec import smollm2_gguf
 
     return smollm2_gguf()
 

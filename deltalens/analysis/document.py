@@ -1,0 +1,28 @@
+"""The analysis.json document of an analysis: its header (`deltalens.schema.new_document`) and the
+`models` entries, which say whether each compared model is a run directory and which method made it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from deltalens.io.runs import RunDir
+from deltalens.schema import new_document
+
+METHODS = ("es", "grpo", "es-grpo", "grpo-es")
+
+
+def model_entry(label: str, path) -> dict:
+    """The schema's models[] entry: kind "run" for a deltalens run directory (metrics.jsonl), with
+    its method from the run's config when it names one, else "checkpoint"."""
+    p = Path(str(path))
+    kind, method = "checkpoint", None
+    if p.is_dir() and (p / "metrics.jsonl").exists():
+        kind = "run"
+        m = RunDir(p).method()
+        method = m if m in METHODS else None
+    return {"label": label, "path": str(path), "kind": kind, "method": method}
+
+
+def analysis_document(base_path, models: list[dict], **sections) -> dict:
+    """An analysis.json document: header (schema_version, version, created, base, models) + sections."""
+    return new_document(base_path, models, **sections)

@@ -1,0 +1,258 @@
+"""Assemble analysis.json for a report: diff, evaluations, sparsification, training curves, held-out tasks.
+
+`build_analysis(base, models, ...)` is what `deltalens report base.pt es.pt grpo.pt` calls. It runs the
+analyses the options ask for and returns one dict in the schema of docs/analysis-schema.md, which
+`deltalens.reports` renders. Expensive results (evaluations, diffs, sparsification sweeps) are cached
+as JSON files in a cache directory next to the report, keyed by a content hash of the inputs (the
+weight files' bytes and every setting that changes the result), so re-running a report with the same
+inputs recomputes nothing, and changing a checkpoint recomputes only what depends on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from deltalens.analysis.delta import diff_checkpoints
+from deltalens.analysis.diversity import diversity_section
+from deltalens.analysis.document import analysis_document, model_entry
+from deltalens.analysis.sparsify import sparsify_sweep
+from deltalens.errors import DeltalensError
+from deltalens.evaluation import evaluate, parse_ks
+from deltalens.io.atomic import write_json_atomic
+from deltalens.io.models import load_model
+from deltalens.io.runs import RunDir
+from deltalens.io.spec import default_labels, resolve
+from deltalens.tasks import get_task
+
+WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "config.json")
+
+
+# ----------------------------------------------------------------------------- content hashing
+
+
+def _hash_file(h, path: Path, chunk: int = 1 << 22) -> None:
+    h.update(path.name.encode())
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+
+
+def weights_hash(spec: str, config: str | None = None) -> str:
+    """sha256 over the bytes of the weight files a model spec stands for (hub ids: the id itself)."""
+    ref = resolve(spec)
+    kind, loc = ref.kind, ref.location
+    h = hashlib.sha256()
+    if kind == "hub":
+        h.update(f"hub:{loc}".encode())
+    elif Path(loc).is_dir():
+        for pattern in WEIGHT_GLOBS:
+            for f in sorted(Path(loc).glob(pattern)):
+                _hash_file(h, f)
+    else:
+        _hash_file(h, Path(loc))
+        if kind == "weights" and config is not None:
+            h.update(weights_hash(config).encode())
+    return h.hexdigest()
+
+
+def state_dict_hash(sd) -> str:
+    """sha256 over names, dtypes, shapes and bytes of a state dict's tensors."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Cache:
+    """JSON results keyed by a hash of (what, inputs). `None` directory disables caching."""
+
+    def __init__(self, directory: Path | None):
+        self.dir = Path(directory) if directory is not None else None
+
+    def key(self, what: str, **inputs) -> str:
+        blob = json.dumps({"what": what, **inputs}, sort_keys=True, default=str)
+        return f"{what}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
+
+    def get_or_compute(self, key: str, compute: Callable[[], dict], log: Callable[[str], None] | None = None):
+        if self.dir is not None:
+            f = self.dir / f"{key}.json"
+            if f.exists():
+                if log:
+                    log(f"cached: {key}")
+                return json.loads(f.read_text())
+        value = compute()
+        if self.dir is not None:
+            write_json_atomic(value, self.dir / f"{key}.json")
+        return value
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def training_section(label: str, run_dir: Path) -> dict | None:
+    """Reward curves from a run directory's metrics.jsonl (ES iterations or GRPO steps)."""
+    run = RunDir(run_dir)
+    rows = run.metrics()
+    if not rows:
+        return None
+    try:
+        method = run.config().get("method")
+    except DeltalensError:
+        method = None
+    keep = ("iteration", "stage", "reward_mean", "reward_std", "reward_min", "reward_max", "eval_pass1",
+            "kl", "entropy")
+    out_rows = [{k: r[k] for k in keep if k in r} for r in rows if "iteration" in r]
+    return {"method": method, "x": "iteration", "rows": out_rows}
+
+
+def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | None = None,
+                   task: str | None = None, data: str | None = None, samples: int = 32,
+                   ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6, limit: int | None = None,
+                   seed: int = 0, sparsify: Sequence[float] = (), sparsity_targets: Sequence[float] = (),
+                   held_out: Sequence[str] = (), diversity: bool = False, diversity_opts: dict | None = None,
+                   diversity_models: Sequence[str] | None = None, sparsify_models: Sequence[str] | None = None,
+                   config: str | None = None, cache_dir: Path | None = None,
+                   log: Callable[[str], None] = lambda s: None, progress_factory=None) -> dict:
+    """Run the requested analyses of `models` against `base`; returns the analysis.json dict.
+
+    diversity_models / sparsify_models: labels to restrict those (costly) analyses to; None = all.
+    """
+    if not models:
+        raise DeltalensError("give a base and at least one model to compare: deltalens report BASE MODEL [MODEL...]")
+    ks = parse_ks(ks)
+    if task is None and (sparsify or sparsity_targets or held_out or diversity):
+        raise DeltalensError("--sparsify, --held-out and --diversity need --task")
+    labels = list(labels) if labels else default_labels(list(models))
+    if len(labels) != len(models) or len(set(labels)) != len(labels) or "base" in labels:
+        raise DeltalensError("give one unique --label per model (and not 'base')")
+    cache = Cache(cache_dir)
+    hashes = {"base": weights_hash(base, config)}
+    for lab, spec in zip(labels, models):
+        hashes[lab] = weights_hash(spec, config)
+    specs = {"base": base, **dict(zip(labels, models))}
+
+    def weights_path(spec: str):
+        ref = resolve(spec)
+        if ref.kind == "hub":
+            raise DeltalensError(f"{spec}: diffing needs local weights; download the model and pass its directory")
+        return ref.location
+
+    # -- weight deltas (always)
+    log("diff: " + ", ".join(labels))
+    diff_key = cache.key("diff", base=hashes["base"], models=[hashes[lab] for lab in labels], labels=labels)
+    doc_sections = cache.get_or_compute(
+        diff_key, lambda: diff_checkpoints(weights_path(base), [weights_path(m) for m in models], labels,
+                                           progress=progress_factory is not None), log)
+
+    sections: dict = {"diff": doc_sections["diff"], "ratios": doc_sections["ratios"]}
+
+    # -- evaluations (base + each model) on the main task
+    t = get_task(task, data=data, seed=0) if task else None
+    loaded: dict = {}
+
+    def model_for(label):
+        if label not in loaded:
+            loaded.clear()  # keep at most one model in memory
+            loaded[label] = load_model(specs[label], config=config if label != "base" else None)
+        return loaded[label]
+
+    def eval_one(label, tsk):
+        key = cache.key("eval", weights=hashes[label], task=tsk.name, data=data, samples=samples, ks=ks,
+                        temperature=temperature, limit=limit, seed=seed)
+
+        def compute():
+            model, tok = model_for(label)
+            prog = progress_factory(f"eval {label} on {tsk.name}", len(tsk.test(limit)) * samples) \
+                if progress_factory else None
+            res = evaluate(model, tok, tsk, samples=samples, ks=ks, temperature=temperature, limit=limit,
+                           seed=seed, progress=prog)
+            return res
+
+        return cache.get_or_compute(key, compute, log)
+
+    if t is not None:
+        sections["evals"] = {lab: eval_one(lab, t) for lab in ["base", *labels]}
+
+    # -- held-out tasks (forgetting)
+    if held_out:
+        ho: dict = {}
+        for name in held_out:
+            ht = get_task(name, seed=0)
+            for lab in ["base", *labels]:
+                ho.setdefault(lab, {})[name] = eval_one(lab, ht)["pass_at_k"]
+        sections["held_out"] = ho
+
+    # -- sparsification sweeps (each model vs base, re-evaluated on the task)
+    if sparsify or sparsity_targets:
+        from deltalens.evaluation import evaluate_state_dict
+
+        sp: dict = {}
+        model_cache: dict = {}
+        memo: dict = {}  # state-dict content hash -> evaluation (the base is evaluated once for all models)
+
+        for lab, spec in zip(labels, models):
+            if sparsify_models is not None and lab not in sparsify_models:
+                continue
+            key = cache.key("sparsify", base=hashes["base"], model=hashes[lab], taus=list(sparsify),
+                            targets=list(sparsity_targets), task=t.name, samples=samples, ks=ks,
+                            temperature=temperature, limit=limit, seed=seed)
+
+            def compute(spec=spec, lab=lab):
+                def evaluate_fn(sd):
+                    h = state_dict_hash(sd)
+                    if h not in memo:
+                        memo[h] = evaluate_state_dict(base, sd, t, samples=samples, ks=ks, temperature=temperature,
+                                                      limit=limit, seed=seed, model_cache=model_cache)
+                    return memo[h]
+
+                log(f"sparsify {lab}: {len(sparsify) + len(sparsity_targets)} points")
+                return sparsify_sweep(weights_path(base), weights_path(spec), list(sparsify), evaluate_fn,
+                                      sparsities=list(sparsity_targets), label=lab, task=t.name)
+
+            sp.update(cache.get_or_compute(key, compute, log))
+        sections["sparsify"] = sp
+
+    # -- training curves from run directories
+    training = {}
+    for lab, spec in zip(labels, models):
+        p = Path(spec)
+        if RunDir.is_run(p) and (p / "checkpoints").is_dir():
+            sec = training_section(lab, p)
+            if sec:
+                training[lab] = sec
+    if training:
+        sections["training"] = training
+
+    # -- population diversity of ES runs / models
+    if diversity:
+        div = {}
+        if diversity_models is None:  # ES runs (their own seeds and σ); if there are none, every model
+            es_runs = [lab for lab, m in zip(labels, models) if model_entry(lab, m)["method"] == "es"]
+            diversity_models = es_runs or list(labels)
+        for lab, spec in zip(labels, models):
+            if diversity_models is not None and lab not in diversity_models:
+                continue
+            key = cache.key("diversity", model=hashes[lab], task=t.name, opts=diversity_opts or {}, seed=seed)
+            div[lab] = cache.get_or_compute(
+                key, lambda spec=spec: diversity_section(spec, t, **(diversity_opts or {})), log)
+        sections["diversity"] = div
+
+    return analysis_document(base, [model_entry(lab, m) for lab, m in zip(labels, models)], **sections)
+
+
+def default_report_path(models: Sequence[str]) -> Path:
+    """Under the first run directory among `models`, else ./deltalens-report.html."""
+    for m in models:
+        p = Path(m)
+        if p.is_dir() and (p / "metrics.jsonl").exists() and (p / "checkpoints").is_dir():
+            RunDir(p).weights()  # a run without a checkpoint yet says so here
+            return p / "report.html"
+    return Path("deltalens-report.html")

@@ -1,0 +1,283 @@
+"""Config dataclasses: the single source of every training option (Python, CLI flags, YAML, config.json).
+
+Each algorithm has one dataclass (`ESConfig`, `GRPOConfig`, `ChainConfig`), modelled on TRL's
+`GRPOConfig` + `TrlParser`: a field is declared with `option()`, which carries its default and one
+help line, and optionally
+
+    flags       extra command-line names (`--prompts`, `-N`); the main one is `--field-name`
+    trajectory  the field decides the run's trajectory: a resumed run must keep its value
+    needs       (other field, allowed values): the option means something only when that field has
+                one of those values; given explicitly otherwise, it is refused (never silently ignored)
+    cli         False keeps a field off the command line (set by a chain, for example)
+
+From the fields, everything else is derived:
+
+    cfg.to_dict() / Cls.from_dict(d)        a run's config.json (unknown keys refused)
+    Cls.resolve(preset=, yaml=, given=)     preset < YAML file < command line, with unknown YAML keys,
+                                            wrong types and unused options refused before anything runs
+    deltalens.cli.options                   typer options (name, help, type) for `deltalens train ...`
+
+State vs hyperparameters (evosax): a config holds hyperparameters only; what a resume needs besides
+them (step, seeds, checksums) lives in the run directory's state.json.
+
+This module is torch-free and imports nothing above `deltalens.errors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+import typing
+from pathlib import Path
+from typing import Any, ClassVar
+
+from deltalens.errors import DeltalensError
+
+NOT_NONE = object()  # `needs=("budget", NOT_NONE)`: the other field must be set
+RUN_KEYS = ("method", "deltalens_version")  # run-level keys config.json carries beside the fields
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (),
+           trajectory: bool = False, needs: tuple[str, Any] | None = None, cli: bool = True,
+           default_factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with its help line and CLI/resume metadata (see module docstring)."""
+    if not help:
+        raise ValueError("every option needs a help line")
+    meta = {"help": help, "flags": tuple(flags), "trajectory": trajectory, "needs": needs, "cli": cli}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_name(name: str, prefix: str = "") -> str:
+    """The command-line name of a field: sigma -> --sigma, eval_every -> --eval-every."""
+    return "--" + (prefix + name).replace("_", "-")
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+class Config:
+    """Base of the config dataclasses. Subclasses set METHOD and PRESETS and may set COUNT (the field
+    that `budget` decides: ES iterations, GRPO steps)."""
+
+    METHOD: ClassVar[str] = ""
+    PRESETS: ClassVar[dict[str, dict]] = {"paper": {}}
+    COUNT: ClassVar[str | None] = None
+
+    # ---- fields
+    @classmethod
+    def fields(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
+
+    @classmethod
+    def field(cls, name: str) -> dataclasses.Field:
+        return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+    @classmethod
+    def types(cls) -> dict[str, Any]:
+        """Resolved type of every field (annotations are strings under `from __future__ import annotations`)."""
+        return typing.get_type_hints(cls)
+
+    @classmethod
+    def trajectory_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("trajectory"))
+
+    def resume_conflicts(self, stored: Config) -> list[str]:
+        """Fields besides the trajectory ones that a resume of `stored` with this config may not change."""
+        return []
+
+    # ---- config.json
+    def to_dict(self) -> dict:
+        """The run's config.json: {"method": METHOD, every field} (tuples as lists)."""
+        out = {"method": self.METHOD}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> Config:
+        """Rebuild from a run's config.json; unknown keys and another method's config are refused."""
+        if not isinstance(d, dict):
+            raise DeltalensError(f"{source} must be a mapping of option names to values")
+        method = d.get("method", cls.METHOD)
+        if method != cls.METHOD:
+            raise DeltalensError(f"{source} is a {method!r} config, not {cls.METHOD!r}; "
+                                 f"use `deltalens train resume` or `deltalens train {method}`")
+        values = cls.check_keys({k: v for k, v in d.items() if k not in RUN_KEYS}, source)
+        return cls(**values)
+
+    @classmethod
+    def check_keys(cls, d: dict, source: str) -> dict:
+        """`d` with each value coerced to its field's type; unknown keys and wrong types are refused."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise DeltalensError(f"{source}: unknown {cls.METHOD} option(s) {', '.join(map(repr, unknown))}; "
+                                 f"known: {', '.join(sorted(names))}")
+        types = cls.types()
+        return {k: coerce(v, types[k], k, source) for k, v in d.items()}
+
+    # ---- presets and the three sources
+    @classmethod
+    def preset(cls, name: str, **overrides) -> Config:
+        """A named preset (`paper` = the defaults) plus overrides."""
+        return cls(**{**cls.preset_values(name), **overrides})
+
+    @classmethod
+    def preset_values(cls, name: str) -> dict:
+        if name not in cls.PRESETS:
+            raise DeltalensError(f"unknown {cls.METHOD} preset {name!r}; use one of {', '.join(cls.PRESETS)}")
+        return dict(cls.PRESETS[name])
+
+    @classmethod
+    def resolve(cls, *, preset: str | None = None, yaml: dict | None = None, given: dict | None = None,
+                stored: dict | None = None, source: str = "the config file") -> Config:
+        """The config from (lowest to highest precedence) the dataclass defaults, a preset (or a stored
+        run's config), a YAML mapping and the command line (`given`: only options actually passed).
+
+        Refused with one line: unknown YAML keys, values of the wrong type, `budget` together with an
+        explicit COUNT, and explicit options whose `needs` rule does not hold in the final config.
+        """
+        base = dict(stored) if stored is not None else (cls.preset_values(preset) if preset else {})
+        explicit = {**cls.check_keys(yaml or {}, source), **cls.check_keys(given or {}, "command line")}
+        if cls.COUNT is not None and "budget" in cls.types():
+            if explicit.get("budget") is not None and explicit.get(cls.COUNT) is not None:
+                raise DeltalensError(f"pass either {flag_name('budget')} or {flag_name(cls.COUNT)}, not both")
+            if explicit.get("budget") is not None:
+                base.pop(cls.COUNT, None)  # the budget decides the count
+            elif explicit.get(cls.COUNT) is not None:
+                base.pop("budget", None)  # an explicit count replaces a stored budget
+        cfg = cls(**{**base, **explicit})
+        cfg.check_needs(explicit)
+        return cfg
+
+    def check_needs(self, explicit: dict) -> None:
+        """Refuse explicitly given options that this config does not use (their `needs` rule fails)."""
+        for name in explicit:
+            needs = self.field(name).metadata.get("needs")
+            if needs is None:
+                continue
+            other, allowed = needs
+            value = getattr(self, other)
+            ok = value is not None if allowed is NOT_NONE else value in allowed
+            if not ok:
+                want = "set" if allowed is NOT_NONE else " or ".join(map(str, allowed))
+                raise DeltalensError(
+                    f"{flag_name(name)} is only used when {flag_name(other)} is {want} (it is "
+                    f"{_describe(value)}); drop {flag_name(name)} or set {flag_name(other)}")
+
+
+# ---------------------------------------------------------------------------------------------- values
+
+
+def _strip_optional(tp) -> tuple[Any, bool]:
+    args = typing.get_args(tp)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else functools.reduce(operator.or_, rest)), True
+    return tp, False
+
+
+def coerce(value: Any, tp: Any, name: str, source: str) -> Any:
+    """`value` as type `tp` (int, float, str, bool, tuples, optionals); a one-line error otherwise.
+
+    Lenient only where YAML and the command line differ: a comma-separated string or a list for a
+    tuple, an int for a float. Booleans are never numbers and numbers never booleans.
+    """
+    inner, optional = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise DeltalensError(f"{source}: {name} must be set, not null")
+    bad = DeltalensError(f"{source}: {name} must be {_type_name(inner)} (got {value!r})")
+    origin = typing.get_origin(inner)
+    if origin is tuple:
+        item = typing.get_args(inner)[0]
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return tuple(coerce(v, item, name, source) for v in value)
+    if origin is typing.Union or isinstance(inner, type(int | str)):  # e.g. float | str (budget)
+        for alt in typing.get_args(inner):
+            try:
+                return coerce(value, alt, name, source)
+            except DeltalensError:
+                continue
+        raise bad
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if isinstance(value, bool):
+        raise bad
+    if inner is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if inner is float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if inner is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    return value
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is tuple:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is typing.Union or isinstance(tp, type(int | str)):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check(checks: list[tuple[bool, str]]) -> None:
+    """Raise the first failed (condition, message) pair as a DeltalensError."""
+    for ok, message in checks:
+        if not ok:
+            raise DeltalensError(message)
+
+
+def load_yaml(path: str | Path) -> dict:
+    """A YAML (or JSON) mapping from `path`, with one-line errors."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DeltalensError(f"no such config file: {p}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DeltalensError(f"cannot read config file {p}: {e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise DeltalensError(f"{p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+        raise DeltalensError(f"{p} must be a mapping of option names to values")
+    return data

@@ -1,0 +1,116 @@
+"""Evaluate models on a task's test problems: sample, score, and summarise as Pass@K / Maj@K.
+
+`evaluate` samples `samples` completions per problem through a generation backend and returns the
+`evals` entry of analysis.json (docs/analysis-schema.md); `evaluate_models` does that for several model
+specs and returns a whole analysis document. Defaults follow the paper: 32 samples at temperature 0.6,
+K in {1, 16, 32}.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from deltalens.errors import DeltalensError
+from deltalens.evaluation.passk import parse_ks, summarize
+from deltalens.generation import HFBackend, SamplingParams, make_backend
+from deltalens.io.models import apply_state_dict, load_model
+from deltalens.io.spec import default_labels
+from deltalens.schema import new_document
+from deltalens.tasks import Task, get_task
+
+
+def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[int] = (1, 16, 32),
+             temperature: float = 0.6, top_p: float = 1.0, limit: int | None = None,
+             max_new_tokens: int | None = None, seed: int = 0, backend=None,
+             progress: Callable[[int, int], None] | None = None, keep_completions: int = 0) -> dict:
+    """Sample `samples` completions for each test problem and score them (the `evals` schema entry).
+
+    progress(done, total) is called as sequences finish (total = problems x samples).
+    """
+    problems = task.test(limit)
+    if not problems:
+        raise DeltalensError(f"task {task.name} has no test problems")
+    ks = parse_ks(ks)
+    params = SamplingParams(n=samples, temperature=temperature, top_p=top_p,
+                            max_new_tokens=max_new_tokens or task.max_new_tokens, seed=seed)
+    backend = backend or HFBackend(model, tokenizer)
+    total = len(problems) * samples
+    done = [0]
+
+    def tick(k):
+        done[0] += k
+        if progress is not None:
+            progress(done[0], total)
+
+    t0 = time.time()
+    completions = backend.generate([p.prompt for p in problems], params, progress=tick)
+    gen_s = time.time() - t0
+    out = {"task": task.name, "split": "test", "n_problems": len(problems), "samples": samples,
+           "temperature": temperature, "top_p": top_p, "seed": seed, "max_new_tokens": params.max_new_tokens}
+    out.update(summarize(task, problems, completions, ks, seed=seed, keep_completions=keep_completions))
+    n_chars = sum(len(c) for comps in completions for c in comps)
+    out["timing"] = {"generate_s": round(gen_s, 3), "sequences": total,
+                     "completion_chars_per_s": round(n_chars / max(gen_s, 1e-9), 1)}
+    return out
+
+
+def evaluate_state_dict(base_model_spec: str, state_dict: dict[str, torch.Tensor], task: str | Task, *,
+                        samples: int = 32, ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6,
+                        limit: int | None = None, seed: int = 0, model_cache: dict | None = None) -> dict:
+    """Evaluate `state_dict` applied onto the architecture (and tokenizer) of `base_model_spec`.
+
+    Pass a dict as `model_cache` to reuse one loaded model across calls (sparsification sweeps).
+    """
+    if model_cache is not None and base_model_spec in model_cache:
+        model, tok = model_cache[base_model_spec]
+    else:
+        model, tok = load_model(base_model_spec)
+        if model_cache is not None:
+            model_cache[base_model_spec] = (model, tok)
+    apply_state_dict(model, state_dict, source="state dict")
+    t = get_task(task) if isinstance(task, str) else task
+    return evaluate(model, tok, t, samples=samples, ks=ks, temperature=temperature, limit=limit, seed=seed)
+
+
+def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] | None = None,
+                    config: str | None = None, dtype: str = "fp32", samples: int = 32,
+                    ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6, limit: int | None = None,
+                    max_new_tokens: int | None = None, seed: int = 0, backend: str = "hf",
+                    chat_template: bool = False, progress_factory=None, device: str = "auto") -> dict:
+    """Evaluate each model on `task`; returns an analysis.json-shaped dict with `models` and `evals`.
+
+    device: where the HF backend runs the model (cpu, cuda, cuda:N, auto); vLLM places its own.
+
+    progress_factory(label, total) -> callable(done, total), or None for no progress reporting.
+    """
+    ks = parse_ks(ks)
+    if max(ks) > samples:
+        raise DeltalensError(f"--k {max(ks)} exceeds --samples {samples}; raise --samples or lower --k")
+    if labels is not None and len(labels) != len(specs):
+        raise DeltalensError(f"got {len(labels)} labels for {len(specs)} models; give one --label per model")
+    labels = list(labels) if labels else default_labels(list(specs))
+    result = new_document(None, [], evals={})
+    for spec, label in zip(specs, labels):
+        if backend == "vllm":  # vLLM loads its own weights: no HF copy of the model in memory
+            from deltalens.generation.vllm import VLLMBackend
+
+            be = VLLMBackend.from_spec(spec, dtype=dtype, config=config, chat_template=chat_template)
+            model, tok = None, be.tok
+        else:
+            model, tok = load_model(spec, config=config, dtype=dtype, device=device)
+            be = make_backend(backend, model, tok, chat_template=chat_template)
+        prog = progress_factory(label, len(task.test(limit)) * samples) if progress_factory else None
+        try:
+            res = evaluate(model, tok, task, samples=samples, ks=ks, temperature=temperature, limit=limit,
+                           max_new_tokens=max_new_tokens, seed=seed, backend=be, progress=prog)
+        finally:
+            if hasattr(be, "close"):
+                be.close()  # frees the GPU before the next model
+        res["model"] = spec
+        result["models"].append({"label": label, "path": spec, "kind": "checkpoint", "method": None})
+        result["evals"][label] = res
+        del model
+    return result

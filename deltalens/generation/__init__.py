@@ -1,0 +1,30 @@
+"""Generation backends: sample `n` completions per prompt, batched, seeded.
+
+The interface (`GenerationBackend`) is one method, `generate(prompts, params) -> list[list[str]]`
+(outer: prompts, inner: the `params.n` completions of that prompt, prompt text excluded). Backends:
+`hf` (transformers' `generate`, `deltalens.generation.hf`) and `vllm` (a vLLM engine,
+`deltalens.generation.vllm`, imported only when asked for). Prompt formatting (chat template) and the
+batching loop are shared (`prompts`, `batching`).
+"""
+
+from __future__ import annotations
+
+from deltalens.errors import DeltalensError
+from deltalens.generation.hf import HFBackend
+from deltalens.generation.params import GenerationBackend, SamplingParams
+
+BACKENDS = ("hf", "vllm")
+
+
+def make_backend(name: str, model, tokenizer, **kw) -> GenerationBackend:
+    """A generation backend by name for an in-memory model (vLLM saves it to a temporary directory)."""
+    if name == "vllm":
+        from deltalens.generation.vllm import VLLMBackend  # imports vllm lazily; clear error without it
+
+        return VLLMBackend.from_model(model, tokenizer, **kw)
+    if name != "hf":
+        raise DeltalensError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return HFBackend(model, tokenizer, **kw)
+
+
+__all__ = ["BACKENDS", "GenerationBackend", "HFBackend", "SamplingParams", "make_backend"]

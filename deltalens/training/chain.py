@@ -1,0 +1,283 @@
+"""Chains: ES then GRPO (or GRPO then ES, or any sequence of "es"/"grpo") as one run directory.
+
+    out/
+      config.json      {"method": "es-grpo", "methods": [...], "model", "task", "budget", "fractions",
+                        "stages": [{"method", "dir", "config"}, ...]}
+      metrics.jsonl    every stage's rows, in order, each with "stage" (its method), "stage_index",
+                       "stage_iteration" (the row's own iteration), "iteration" (counted across stages,
+                       so reports plot one axis) and "units" (compute units so far, `deltalens.training.budget`)
+      state.json       {"method", "iteration", "stages_done", "checkpoint": "final"} once finished
+      checkpoints/final/   the last stage's final checkpoint (hard links where possible, else a copy),
+                           so `load_model(out)` loads the end of the chain
+      es/              a complete ES run (deltalens.training.es)
+      grpo/            a complete GRPO run (deltalens.training.grpo) that starts from es/'s final weights
+                       (init_from = out/es; its KL reference is those weights too)
+
+Each stage after the first starts from the previous stage's final checkpoint: GRPO through `init_from`,
+ES through its `model`. With `budget`, the stages split it (equal shares by default, `fractions`) and
+each gets the most iterations/steps that fit its share. A killed chain resumes stage by stage:
+finished stages are skipped, the interrupted one resumes from its last checkpoint.
+
+`ChainConfig` is what `deltalens train chain` and YAML files give: the chain's own fields plus the
+stages' options (`es`, `grpo`: option name -> value, each checked against ESConfig / GRPOConfig; on the
+command line `--es-sigma`, `--grpo-learning-rate`, ...). The stage fields a chain sets itself (model,
+task, data, init_from, and the counts when a budget is given) cannot be given per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from deltalens import __version__
+from deltalens.config import NOT_NONE, Config, check, option
+from deltalens.errors import DeltalensError
+from deltalens.io.atomic import atomic_dir, atomic_path, write_json_atomic
+from deltalens.io.runs import RunDir
+from deltalens.training.budget import (
+    es_units,
+    grpo_units,
+    iterations_for_budget,
+    parse_budget,
+    split_budget,
+    steps_for_budget,
+)
+from deltalens.training.es.config import ESConfig
+from deltalens.training.grpo.config import GRPOConfig
+
+METHODS = ("es", "grpo")
+STAGE_CONFIGS = {"es": ESConfig, "grpo": GRPOConfig}
+TASK_FIELDS = ("data", "question_field", "answer_field")
+# stage fields the chain sets itself: never per stage
+CHAIN_OWNED = ("model", "task", *TASK_FIELDS, "init_from", "budget")
+
+
+@dataclass
+class ChainConfig(Config):
+    """A chain of ES / GRPO stages (see module docstring)."""
+
+    METHOD: ClassVar[str] = "chain"
+
+    methods: tuple[str, ...] = option(("es", "grpo"), "stages in order, comma-separated: es,grpo (ES->GRPO) or "
+                                      "grpo,es")
+    model: str = option("tiny", "base model spec of the first stage (tiny, smollm2, HF dir, run dir, .gguf)")
+    task: str = option("arith", "task name (deltalens.tasks), for every stage", flags=("-t",))
+    data: str | None = option(None, "jsonl file or directory for the gsm8k and jsonl tasks")
+    question_field: str = option("question", "jsonl task: question field")
+    answer_field: str = option("answer", "jsonl task: answer field")
+    budget: float | str | None = option(None, "FLOP-matched compute units for the whole chain, split between the "
+                                        "stages (deltalens.training.budget)")
+    fractions: tuple[float, ...] | None = option(None, "budget share of each stage, comma-separated (default: "
+                                                 "equal shares)", needs=("budget", NOT_NONE))
+    es: dict = option(None, "ES stage options (ESConfig fields; --es-<field> on the command line)",
+                      default_factory=dict, cli=False)
+    grpo: dict = option(None, "GRPO stage options (GRPOConfig fields; --grpo-<field> on the command line)",
+                        default_factory=dict, cli=False)
+
+    def __post_init__(self):
+        self.methods = tuple(self.methods)
+        check([
+            (len(self.methods) >= 1, "a chain needs at least one method; set --methods es,grpo"),
+            (all(m in METHODS for m in self.methods),
+             f"unknown method in --methods {','.join(self.methods)}; use es and grpo"),
+            (self.fractions is None or len(self.fractions) == len(self.methods),
+             f"got {len(self.fractions or ())} budget fractions for {len(self.methods)} stages"),
+        ])
+        if self.budget is not None:
+            self.budget = parse_budget(self.budget)
+        for method, cls in STAGE_CONFIGS.items():
+            opts = getattr(self, method)
+            if not isinstance(opts, dict):
+                raise DeltalensError(f"{method} stage options must be a mapping of option names to values")
+            setattr(self, method, cls.check_keys(opts, f"{method} stage options"))
+            owned = sorted(set(opts) & set(CHAIN_OWNED))
+            if owned:
+                raise DeltalensError(f"the chain sets {', '.join(owned)} of its {method} stage itself; give "
+                                     f"{', '.join('--' + o.replace('_', '-') for o in owned)} for the whole chain")
+            count = cls.COUNT
+            if self.budget is not None and opts.get(count) is not None:
+                raise DeltalensError(f"pass either --budget or --{method}-{count}, not both")
+            if opts and method not in self.methods:
+                raise DeltalensError(f"{method} stage options given but --methods {','.join(self.methods)} has no "
+                                     f"{method} stage")
+
+    @classmethod
+    def resolve(cls, *, preset=None, yaml=None, given=None, stored=None, source="the config file") -> ChainConfig:
+        """As Config.resolve, with the stage option mappings merged key by key (command line wins)."""
+        yaml, given = dict(yaml or {}), dict(given or {})
+        stages = {m: {**(yaml.pop(m, None) or {}), **(given.pop(m, None) or {})} for m in METHODS}
+        for m in METHODS:
+            if not isinstance(stages[m], dict):
+                raise DeltalensError(f"{source}: {m} must be a mapping of {m} options")
+        cfg = super().resolve(preset=None, yaml=yaml, given=given, stored=stored, source=source)
+        return dataclasses.replace(cfg, **stages)
+
+    def stage_presets(self, preset: str) -> dict:
+        """method -> the stage's config: the preset plus the stage options (the chain then points it at
+        its model, task and previous stage, and sets its count from the budget: `stage_configs`)."""
+        return {m: STAGE_CONFIGS[m].resolve(preset=preset, given=getattr(self, m)) for m in METHODS
+                if m in self.methods}
+
+
+def stage_dirs(methods: Sequence[str]) -> list[str]:
+    """Sub-run directory names: the method names, numbered when a method repeats (1-grpo, 2-grpo)."""
+    if len(set(methods)) == len(methods):
+        return list(methods)
+    return [f"{i + 1}-{m}" for i, m in enumerate(methods)]
+
+
+def _total(method: str, cfg) -> int:
+    return cfg.iterations if method == "es" else cfg.steps
+
+
+def _units(method: str, cfg, it: int) -> int:
+    if method == "es":
+        return es_units(it, cfg.prompts_per_iteration, cfg.population)
+    return grpo_units(it, cfg.prompts_per_step, cfg.num_generations)
+
+
+def _default_config(method: str, model: str):
+    return STAGE_CONFIGS[method].preset("tiny" if model == "tiny" else "paper")
+
+
+def stage_configs(out: Path, methods: Sequence[str], model: str, task: str, configs: dict, task_fields: dict,
+                  budget=None, fractions: Sequence[float] | None = None) -> list:
+    """One config per stage: the given (or preset) config of its method, pointed at the chain's task
+    and at the previous stage's run directory, with iterations/steps from the budget share if any."""
+    shares = split_budget(budget, fractions or [1 / len(methods)] * len(methods)) if budget is not None else None
+    if fractions is not None and len(fractions) != len(methods):
+        raise DeltalensError(f"got {len(fractions)} budget fractions for {len(methods)} stages")
+    dirs = stage_dirs(methods)
+    out_cfgs = []
+    for i, method in enumerate(methods):
+        if method not in METHODS:
+            raise DeltalensError(f"unknown method {method!r} in the chain; use {' and '.join(METHODS)}")
+        cfg = configs.get(method) or _default_config(method, model)
+        prev = str((out / dirs[i - 1]).resolve()) if i > 0 else None
+        if method == "es":
+            cfg = dataclasses.replace(cfg, model=prev or model, task=task, budget=None, **task_fields)
+            if shares:
+                cfg = dataclasses.replace(cfg, iterations=iterations_for_budget(
+                    shares[i], cfg.prompts_per_iteration, cfg.population))
+        else:
+            cfg = dataclasses.replace(cfg, model=model, init_from=prev or cfg.init_from, task=task, budget=None,
+                                      **task_fields)
+            if shares:
+                cfg = dataclasses.replace(cfg, steps=steps_for_budget(shares[i], cfg.prompts_per_step,
+                                                                       cfg.num_generations))
+        out_cfgs.append(cfg)
+    return out_cfgs
+
+
+def _rebuild_metrics(out: Path, methods, dirs, cfgs) -> None:
+    """Concatenate the stages' metrics into out/metrics.jsonl (rewritten atomically; idempotent)."""
+    lines, it_offset, unit_offset = [], 0, 0
+    for i, (method, d, cfg) in enumerate(zip(methods, dirs, cfgs)):
+        for r in RunDir(out / d).metrics():
+            it = r.get("iteration", 0)
+            lines.append(json.dumps({**r, "stage": method, "stage_index": i, "stage_iteration": it,
+                                     "iteration": it_offset + it, "units": unit_offset + _units(method, cfg, it)}))
+        it_offset += _total(method, cfg)
+        unit_offset += _units(method, cfg, _total(method, cfg))
+    with atomic_path(out / "metrics.jsonl") as tmp:
+        Path(tmp).write_text("".join(line + "\n" for line in lines))
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _stage_config(d: dict):
+    return STAGE_CONFIGS[d["method"]].from_dict(d["config"], source=f"stage {d['dir']} of the chain's config.json")
+
+
+def train_chain(out: str | Path, methods: Sequence[str] = ("es", "grpo"), *, model: str = "tiny",
+                task: str = "arith", data: str | None = None, question_field: str = "question",
+                answer_field: str = "answer", budget=None, fractions: Sequence[float] | None = None,
+                es_config=None, grpo_config=None, resume: bool = False, overwrite: bool = False,
+                progress: Callable[[int, int, dict | None], None] | None = None) -> Path:
+    """Train `methods` one after another into `out` (see module docstring); returns `out`.
+
+    es_config / grpo_config: the stages' hyperparameters (ESConfig / GRPOConfig; None = the preset
+    for `model`); their model/task/init_from are set here, and with `budget` (units, or '2e6'/'1.5M')
+    their iterations/steps too, split by `fractions` (default equal shares). On `resume` with no configs
+    given, the stored stage configs are used. progress(done, total, row) counts iterations/steps over
+    all stages; rows carry "stage".
+    """
+    from deltalens.training.es.train import train_es  # the trainers load torch: only when a chain runs
+    from deltalens.training.grpo.train import train_grpo
+
+    out = Path(out)
+    methods = list(methods)
+    if not methods:
+        raise DeltalensError("a chain needs at least one method")
+    dirs = stage_dirs(methods)
+    run = RunDir(out)
+    task_fields = {"data": data, "question_field": question_field, "answer_field": answer_field}
+    if resume:
+        stored = run.config()
+        if stored.get("methods") != methods:
+            raise DeltalensError(f"{out} is a chain of {stored.get('methods')}, not {methods}; resume it with "
+                                 "`deltalens train resume`")
+        if es_config is None and grpo_config is None:
+            cfgs = [_stage_config(s) for s in stored["stages"]]
+        else:
+            cfgs = stage_configs(out, methods, stored["model"], stored["task"],
+                                 {"es": es_config, "grpo": grpo_config}, task_fields, stored.get("budget"),
+                                 stored.get("fractions"))
+    else:
+        cfgs = stage_configs(out, methods, model, task, {"es": es_config, "grpo": grpo_config}, task_fields,
+                             budget, fractions)
+    top = {"method": "-".join(methods), "methods": methods, "model": model, "task": task, **task_fields,
+           "budget": budget, "fractions": list(fractions) if fractions is not None else None,
+           "stages": [{"method": m, "dir": d, "config": c.to_dict()} for m, d, c in zip(methods, dirs, cfgs)],
+           "deltalens_version": __version__}
+    if resume:
+        stored.update({"stages": top["stages"], "deltalens_version": __version__})
+        write_json_atomic(stored, out / "config.json")
+    else:
+        run.create(top, overwrite=overwrite)
+
+    totals = [_total(m, c) for m, c in zip(methods, cfgs)]
+    grand = sum(totals)
+    for i, (method, d, cfg) in enumerate(zip(methods, dirs, cfgs)):
+        sub = out / d
+        offset = sum(totals[:i])
+        if not RunDir(sub).finished(totals[i]):
+            def stage_progress(done, total, row, _off=offset, _m=method, _i=i):
+                if progress:
+                    progress(_off + done, grand, None if row is None else {**row, "stage": _m, "stage_index": _i})
+
+            trainer = train_es if method == "es" else train_grpo
+            again = resume and (sub / "config.json").exists()
+            if again:
+                trainer(cfg, sub, resume=True, progress=stage_progress)
+            else:
+                trainer(cfg, sub, resume=False, progress=stage_progress, overwrite=overwrite or resume)
+        _rebuild_metrics(out, methods[: i + 1], dirs[: i + 1], cfgs[: i + 1])
+
+    last = out / dirs[-1] / "checkpoints" / "final"
+    with atomic_dir(run.ckpt / "final") as tmp:
+        shutil.copytree(last, tmp, copy_function=_link_or_copy, dirs_exist_ok=True)
+    run.write_state({"method": top["method"], "iteration": grand, "stages_done": len(methods),
+                     "final_from": f"{dirs[-1]}/checkpoints/final", "checkpoint": "final"})
+    return out
+
+
+def train_chain_config(config: ChainConfig, out: str | Path, *, preset: str, overwrite: bool = False,
+                       progress=None) -> Path:
+    """Start the chain a `ChainConfig` describes (stage presets: `preset`)."""
+    stages = config.stage_presets(preset)
+    return train_chain(out, config.methods, model=config.model, task=config.task, data=config.data,
+                       question_field=config.question_field, answer_field=config.answer_field,
+                       budget=config.budget, fractions=config.fractions, es_config=stages.get("es"),
+                       grpo_config=stages.get("grpo"), overwrite=overwrite, progress=progress)

@@ -1,0 +1,455 @@
+"""ES on vLLM's own (fused) weights: `VLLMESBackend`, a member backend like `LocalBackend`/`RayBackend`.
+
+The driver keeps its HF `ESEngine` (for checkpoints and the noise plan) and one vLLM engine holds the
+weights that are perturbed, scored and updated. Every weight operation runs inside vLLM's worker
+process through the worker-extension API:
+
+    LLM(model, worker_extension_cls="deltalens.training.es.backends.vllm.ESWorkerExtension", ...)
+    llm.collective_rpc("es_perturb", args=(iteration, member))  ... generate ...  "es_restore"
+
+The extension (`FusedES`) regenerates, for each trained HF parameter, exactly the noise the HF path
+draws (`deltalens.training.es.strategy.draw_noise`: same seed, same CPU generator, same 4M-element
+blocks) and writes it into the slice of vLLM's fused tensor that holds that parameter
+(`deltalens.generation.vllm_layout`: q/k/v inside qkv_proj, gate/up inside gate_up_proj, the embedding
+inside its padded vocabulary, tied lm_head = embedding). Arithmetic matches `ESEngine` op for op:
+perturbation θ + s·ε in fp32 rounded once to the weight dtype; the update accumulated on the CPU in fp32
+(the very same ops as `ESEngine`) and added once. Restore copies back a base copy of the trained slices
+(kept on the GPU).
+
+Noise is drawn on the CPU (torch's mt19937 generator: the HF path's numbers; a GPU generator would give
+other numbers) by a thread pool, one block per thread at a time, and copied to the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+from safetensors.torch import load_file
+
+from deltalens.errors import DeltalensError
+from deltalens.generation.vllm import VLLMBackend
+from deltalens.generation.vllm_layout import arch
+from deltalens.io.models import apply_state_dict
+from deltalens.training.es.engine import PARALLEL_MIN, new_timing
+from deltalens.training.es.strategy import (
+    accumulate_noise,
+    draw_noise,
+    iteration_problems,
+    member_noise,
+    noise_coefficients,
+)
+
+EXTENSION = "deltalens.training.es.backends.vllm.ESWorkerExtension"
+
+
+# ----------------------------------------------------------------------------------------------
+# ES noise on fused weights (device-agnostic: CPU in tests, the GPU inside vLLM's worker)
+
+
+def layout_config(config) -> dict:
+    """The config keys the layout needs (small and plain, to travel through collective_rpc)."""
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings", "attention_bias",
+            "mlp_bias")
+    get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+    return {k: get(k) for k in keys}
+
+
+def es_plan(engine, threads: int = 0) -> dict:
+    """Everything a weight replica in another layout needs to apply the driver engine's noise: the ES
+    hyperparameters, the layout config, each trained HF tensor with its global block ids, and every
+    unique HF parameter in checksum order (see `deltalens.training.es.engine.weights_checksum`)."""
+    cfg, model = engine.config, engine.model
+    trained = []
+    for j, (_index, name, p) in enumerate(engine.params):
+        trained.append([name, list(p.shape), [b for jj, _, b in engine.blocks if jj == j]])
+    every, seen = [], set()
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        every.append([name, list(p.shape)])
+    return {"version": 1, "hf_config": layout_config(model.config), "seed": cfg.seed, "n_noise": engine.n_noise,
+            "n_blocks": engine.n_blocks, "chunk": engine.chunk, "sigma": cfg.sigma, "alpha": cfg.alpha,
+            "population": cfg.population, "antithetic": cfg.antithetic, "restore": cfg.restore,
+            "dtype": str(engine.params[0][2].dtype), "trained": trained, "all": every, "threads": threads}
+
+
+class FusedES:
+    """ES perturb/restore/update on a model held in vLLM's fused layout, equal to `ESEngine` on the HF
+    layout: same noise values on the same HF-named parameter, same arithmetic.
+
+    `params`: vLLM parameter name -> live tensor (the worker's `model.named_parameters()`, or a fused
+    state dict on the CPU in tests). `plan`: `es_plan(engine)` of the driver's engine.
+    """
+
+    def __init__(self, params: dict[str, torch.Tensor], plan: dict, threads: int | None = None):
+        from deltalens.generation.vllm_layout import vllm_slices
+
+        self.plan = plan
+        self.seed, self.n_noise, self.n_blocks = plan["seed"], plan["n_noise"], plan["n_blocks"]
+        self.chunk = plan["chunk"]
+        self.sigma, self.alpha = plan["sigma"], plan["alpha"]
+        self.population, self.antithetic, self.restore_mode = plan["population"], plan["antithetic"], plan["restore"]
+        slices = vllm_slices(plan["hf_config"])
+        self.views: dict[str, torch.Tensor] = {}  # HF name -> its elements inside the vLLM tensor (flat view)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for name, shape in plan["all"]:
+            if name not in slices:
+                raise DeltalensError(f"HF parameter {name} has no place in the vLLM layout")
+            vname, dim, start, stop = slices[name]
+            if vname not in params:
+                raise DeltalensError(f"vLLM model has no parameter {vname} (holds HF {name}); its parameters "
+                                     f"look like {list(params)[:4]}: is this vLLM version's layout supported?")
+            t = params[vname]
+            if str(t.dtype) != plan["dtype"]:
+                raise DeltalensError(f"vLLM holds {vname} in {t.dtype}, the driver in {plan['dtype']}; "
+                                     "load both with the same --dtype")
+            if not t.is_contiguous() or dim != 0 or tuple(t.shape[1:]) != tuple(shape[1:]) \
+                    or stop > t.shape[0] or stop - start != shape[0]:
+                raise DeltalensError(
+                    f"{name} {tuple(shape)} does not fit rows [{start}, {stop}) of vLLM's {vname} "
+                    f"{tuple(t.shape)} (ES with vLLM needs tensor_parallel_size=1 and an unquantized model)")
+            row = math.prod(shape[1:])
+            self.views[name] = t.detach().view(-1)[start * row: stop * row]
+            self.shapes[name] = tuple(shape)
+        # blocks: (HF name, flat view of the block inside the vLLM tensor, global block id)
+        self.blocks: list[tuple[str, torch.Tensor, int]] = []
+        for name, _shape, block_ids in plan["trained"]:
+            flat = self.views[name]
+            for c, b in enumerate(block_ids):
+                self.blocks.append((name, flat[c * self.chunk:(c + 1) * self.chunk], b))
+        if not self.blocks:
+            raise DeltalensError("the ES plan trains no parameter")
+        self.trained = [name for name, _, _ in plan["trained"]]
+        self.device = self.blocks[0][1].device
+        self.n_trained = sum(self.views[n].numel() for n in self.trained)
+        self._max_block = max(b.numel() for _, b, _ in self.blocks)
+        if not threads or threads <= 0:
+            threads = plan.get("threads") or _cpu_count()
+        self._pool = None
+        if threads > 1 and len(self.blocks) > 1 and self.n_trained >= PARALLEL_MIN:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="es-vllm-noise")
+        self._tls = threading.local()
+        self._base: dict[str, torch.Tensor] | None = None
+
+    # -- buffers and noise
+    def _buf(self, key: str, numel: int, device=None) -> torch.Tensor:
+        buf = getattr(self._tls, key, None)
+        if buf is None:
+            dev = device if device is not None else torch.device("cpu")
+            pin = dev.type == "cpu" and self.device.type == "cuda"
+            buf = torch.empty(self._max_block, device=dev, pin_memory=pin)
+            setattr(self._tls, key, buf)
+        return buf[:numel]
+
+    def _host_noise(self, iteration: int, k: int, block: int, numel: int) -> torch.Tensor:
+        return draw_noise(self.seed, iteration, k, block, self.n_noise, self.n_blocks, self._buf("noise", numel))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return host
+        dev = self._buf("dev", host.numel(), self.device)
+        dev.copy_(host)  # blocking: the host buffer is free again when this returns
+        return dev
+
+    def _map(self, fn) -> list:
+        results = list(self._pool.map(fn, self.blocks)) if self._pool else [fn(b) for b in self.blocks]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return results
+
+    @staticmethod
+    def _add(flat: torch.Tensor, eps: torch.Tensor, alpha: float | None = None) -> None:
+        """flat += alpha·eps in fp32, rounded once to flat's dtype (ESEngine's arithmetic)."""
+        kw = {} if alpha is None else {"alpha": alpha}
+        if flat.dtype == torch.float32:
+            flat.add_(eps, **kw)
+        else:
+            flat.copy_(flat.float().add_(eps, **kw))
+
+    def _shift(self, iteration: int, k: int, s: float) -> list[float]:
+        def one(block):
+            _, flat, b = block
+            t0 = time.perf_counter()
+            eps = self._host_noise(iteration, k, b, flat.numel())
+            t1 = time.perf_counter()
+            self._add(flat, self._to_device(eps), s)
+            return t1 - t0, time.perf_counter() - t1
+
+        t0 = time.perf_counter()
+        r = self._map(one)
+        return _split(time.perf_counter() - t0, r)
+
+    # -- ES operations (each returns timings)
+    @torch.no_grad()
+    def perturb(self, iteration: int, member: int) -> dict:
+        """θ ← θ + sign·σ·ε_k on the trained slices."""
+        k, sign = member_noise(member, self.antithetic)
+        if self.restore_mode == "copy" and self._base is None:
+            self._base = {n: self.views[n].clone() for n in self.trained}
+        noise_s, other_s = self._shift(iteration, k, sign * self.sigma)
+        return {"noise_s": noise_s, "perturb_restore_s": other_s}
+
+    @torch.no_grad()
+    def restore(self, iteration: int, member: int) -> dict:
+        """Undo `perturb`: copy the base back (exact) or subtract the regenerated noise."""
+        if self.restore_mode == "copy":
+            t0 = time.perf_counter()
+            for n in self.trained:
+                self.views[n].copy_(self._base[n])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return {"noise_s": 0.0, "perturb_restore_s": time.perf_counter() - t0}
+        k, sign = member_noise(member, self.antithetic)
+        noise_s, other_s = self._shift(iteration, k, -sign * self.sigma)
+        return {"noise_s": noise_s, "perturb_restore_s": other_s}
+
+    @torch.no_grad()
+    def update(self, iteration: int, z: Sequence[float]) -> dict:
+        """θ ← θ + (α/N) Σ_i z_i ε_i, accumulated per block on the CPU in fp32 exactly as `ESEngine.update`
+        (same ops, same order), then added to the weights once."""
+        coeff = noise_coefficients(z, self.n_noise, self.antithetic)
+        scale = self.alpha / self.population
+
+        def one(block):
+            _, flat, b = block
+            t_start = time.perf_counter()
+            acc = self._buf("acc", flat.numel())
+            noise_s = accumulate_noise(acc, coeff, scale, lambda k: self._host_noise(iteration, k, b, flat.numel()))
+            sq = float(acc.double().square().sum())
+            self._add(flat, self._to_device(acc))
+            return noise_s, time.perf_counter() - t_start - noise_s, sq
+
+        t0 = time.perf_counter()
+        results = self._map(one)
+        if self._base is not None:
+            for n in self.trained:
+                self._base[n].copy_(self.views[n])
+        sq = sum(r[2] for r in results)  # fixed block order
+        noise_s, _ = _split(time.perf_counter() - t0, [(r[0], r[1]) for r in results])
+        return {"update_s": time.perf_counter() - t0, "update_noise_s": noise_s,
+                "update_rms": math.sqrt(sq / max(self.n_trained, 1))}
+
+    # -- read-out
+    def hf_tensor(self, name: str) -> torch.Tensor:
+        """A CPU copy of HF parameter `name` (HF shape) taken out of the fused weights."""
+        return self.views[name].view(self.shapes[name]).to("cpu", copy=True)
+
+    def checksum(self) -> str:
+        """`deltalens.training.es.engine.weights_checksum` of the equivalent HF model (same names, order and bytes)."""
+        h = hashlib.blake2b(digest_size=16)
+        for name, _ in self.plan["all"]:
+            h.update(name.encode())
+            h.update(self.hf_tensor(name).reshape(-1).view(torch.uint8).numpy())
+        return h.hexdigest()
+
+    def export(self, path: str | None = None) -> dict[str, torch.Tensor] | str:
+        """HF-named CPU tensors of every unique parameter; written to a safetensors file if `path`."""
+        sd = {name: self.hf_tensor(name) for name, _ in self.plan["all"]}
+        if path is None:
+            return sd
+        from safetensors.torch import save_file
+
+        save_file(sd, path)
+        return path
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self._base = None
+
+
+def _cpu_count() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _split(wall: float, parts: list[tuple[float, float]]) -> tuple[float, float]:
+    """Wall time split between noise and other work in proportion to the per-block seconds."""
+    noise = sum(p[0] for p in parts)
+    other = sum(p[1] for p in parts)
+    share = noise / (noise + other) if noise + other > 0 else 0.0
+    return wall * share, wall * (1 - share)
+
+
+class ESWorkerExtension:
+    """Mixed into vLLM's GPU worker (`LLM(..., worker_extension_cls=EXTENSION)`); called through
+    `llm.collective_rpc("es_...", args=(...))`. Holds one `FusedES` on the worker's model."""
+
+    def _es_model(self):
+        runner = self.model_runner
+        get = getattr(runner, "get_model", None)
+        model = get() if callable(get) else runner.model
+        unwrap = getattr(model, "unwrap", None)  # CUDA-graph wrappers of some vLLM versions
+        return unwrap() if callable(unwrap) else model
+
+    def _es_state(self) -> FusedES:
+        es = getattr(self, "_deltalens_es", None)
+        if es is None:
+            raise DeltalensError("es_init was not called on this vLLM worker")
+        return es
+
+    def es_init(self, plan: dict) -> str:
+        """Bind the plan to this worker's weights; returns the weights' HF checksum."""
+        try:  # only where vLLM exposes its parallel state (the shape checks of FusedES catch shards anyway)
+            from vllm.distributed import get_tensor_model_parallel_world_size
+
+            tp = get_tensor_model_parallel_world_size()
+        except Exception:  # noqa: BLE001 - older/newer vLLM: no such function, or no parallel state yet
+            tp = 1
+        if tp != 1:
+            raise DeltalensError(f"ES with vLLM needs tensor_parallel_size=1 (got {tp}); run one engine per GPU")
+        old = getattr(self, "_deltalens_es", None)
+        if old is not None:
+            old.close()
+        self._deltalens_es = FusedES(dict(self._es_model().named_parameters()), plan)
+        return self._deltalens_es.checksum()
+
+    def es_perturb(self, iteration: int, member: int) -> dict:
+        return self._es_state().perturb(iteration, member)
+
+    def es_restore(self, iteration: int, member: int) -> dict:
+        return self._es_state().restore(iteration, member)
+
+    def es_update(self, iteration: int, z: list[float]) -> dict:
+        es = self._es_state()
+        out = es.update(iteration, z)
+        t0 = time.perf_counter()
+        out["checksum"] = es.checksum()
+        out["checksum_s"] = time.perf_counter() - t0
+        return out
+
+    def es_checksum(self) -> str:
+        return self._es_state().checksum()
+
+    def es_export(self, path: str) -> str:
+        return self._es_state().export(path)
+
+    def es_close(self) -> None:
+        es = getattr(self, "_deltalens_es", None)
+        if es is not None:
+            es.close()
+            self._deltalens_es = None
+
+
+# ----------------------------------------------------------------------------------------------
+# the ES member-evaluation backend (driver side)
+
+
+class VLLMESBackend:
+    """ES members evaluated on one vLLM engine (one GPU); the interface of `deltalens.training.es.backends.MemberBackend`.
+
+    Per member: `es_perturb` in the worker, greedy generation of the iteration's prompts through vLLM,
+    `es_restore`. Per iteration: `es_update(iteration, z)` in the worker, which returns the checksum of
+    the equivalent HF weights. The driver's HF model (`engine.model`) is refreshed from the worker
+    (`es_export`, a safetensors file in $TMPDIR) when `sync` says so: "checkpoints" (the iterations
+    train_es saves: every `checkpoint_every` and the last), "always", or "never"; after each refresh
+    the driver's checksum must equal the worker's. `engine.generator` is replaced by the vLLM backend, so
+    the held-out evaluation of train_es runs on vLLM too.
+
+    GPU memory: besides vLLM's share (`gpu_memory_utilization`, default 0.7 here), the worker keeps a
+    copy of the trained weights for restore="copy" and one noise block (16 MiB) per noise thread; both
+    come out of the remaining share, so lower `gpu_memory_utilization` for large models (or use
+    restore="subtract", which keeps no copy and is not bit-exact).
+    """
+
+    name = "vllm"
+
+    def __init__(self, engine, model_spec: str, *, gpu_memory_utilization: float = 0.7,
+                 enforce_eager: bool = False, max_model_len: int | None = None, noise_threads: int = 0,
+                 sync: str = "checkpoints", generator: VLLMBackend | None = None, **llm_kwargs):
+        if sync not in ("checkpoints", "always", "never"):
+            raise DeltalensError(f"sync must be checkpoints, always or never (got {sync!r})")
+        arch(engine.model.config)  # an unsupported architecture fails here, before vLLM starts
+        cfg = engine.config
+        self.engine, self.sync = engine, sync
+        self._owns_generator = generator is None
+        self.generator = generator or VLLMBackend.from_spec(
+            model_spec, dtype=cfg.dtype, gpu_memory_utilization=gpu_memory_utilization, seed=cfg.seed,
+            enforce_eager=enforce_eager, max_model_len=max_model_len, enable_prefix_caching=False,
+            worker_extension_cls=EXTENSION, **llm_kwargs)
+        self.llm = self.generator.llm
+        try:
+            got = self._rpc("es_init", es_plan(engine, threads=noise_threads or cfg.noise_threads))
+            want = engine.checksum()
+            if any(g != want for g in got):
+                raise DeltalensError(f"vLLM loaded different weights from {model_spec} than the driver "
+                                     f"(checksum {got[0][:8]} vs {want[:8]}); load both with the same --dtype")
+        except BaseException:
+            self.close()
+            raise
+        engine.generator = self.generator  # member rewards and held-out evaluation through vLLM
+        self.last_checksum = want
+
+    def _rpc(self, method: str, *args) -> list:
+        return self.llm.collective_rpc(method, args=args)
+
+    def evaluate(self, iteration: int, problems) -> tuple[list[float], dict]:
+        cfg = self.engine.config
+        problems = problems if problems is not None else iteration_problems(self.engine.task, cfg, iteration)
+        timing = new_timing()
+        rewards = []
+        for m in range(cfg.population):
+            for k, v in self._rpc("es_perturb", iteration, m)[0].items():
+                timing[k] += v
+            self.generator.reset_prefix_cache()
+            t0 = time.perf_counter()
+            rewards.append(self.engine.score(problems))
+            timing["generation_s"] += time.perf_counter() - t0
+            for k, v in self._rpc("es_restore", iteration, m)[0].items():
+                timing[k] += v
+        self.generator.reset_prefix_cache()
+        return rewards, timing
+
+    def _sync_due(self, iteration: int) -> bool:
+        cfg = self.engine.config
+        if self.sync == "always":
+            return True
+        if self.sync == "never":
+            return False
+        return iteration >= cfg.iterations or bool(cfg.checkpoint_every and iteration % cfg.checkpoint_every == 0)
+
+    def sync_driver(self) -> str:
+        """Copy the worker's weights into the driver's HF model; returns the driver's checksum."""
+        with tempfile.TemporaryDirectory(prefix="deltalens-es-sync-") as d:
+            path = os.path.join(d, "weights.safetensors")
+            self._rpc("es_export", path)
+            apply_state_dict(self.engine.model, load_file(path), source="vLLM weights")
+        return self.engine.checksum()
+
+    def update(self, iteration: int, z: Sequence[float]) -> dict:
+        r = self._rpc("es_update", iteration, [float(x) for x in z])[0]
+        self.generator.reset_prefix_cache()
+        out = {"update_s": r["update_s"], "update_noise_s": r["update_noise_s"], "update_rms": r["update_rms"],
+               "checksum": r["checksum"]}
+        t0 = time.perf_counter()
+        if self._sync_due(iteration):
+            got = self.sync_driver()
+            if got != r["checksum"]:
+                raise DeltalensError(f"driver weights differ from vLLM's after iteration {iteration} "
+                                     f"(checksum {got[:8]} vs {r['checksum'][:8]})")
+        out["checksum_s"] = r["checksum_s"] + time.perf_counter() - t0
+        self.last_checksum = r["checksum"]
+        return out
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                self._rpc("es_close")
+        if self._owns_generator and getattr(self, "generator", None) is not None:
+            self.generator.close()
+        self.llm = None

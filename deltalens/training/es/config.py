@@ -1,0 +1,151 @@
+"""`ESConfig`: every hyperparameter of an ES run, one help line each (defaults are the paper's).
+
+The fields are the single source of `deltalens train es` options, YAML keys and the run's config.json
+(`deltalens.config`). Presets: `paper` (the defaults) and `tiny` (for the bundled 0.76M-parameter model;
+how it was chosen is in docs/tuning.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from deltalens.config import Config, check, option
+from deltalens.training.budget import iterations_for_budget, parse_budget
+
+FITNESS = ("zscore", "centered_rank")
+NOISE = ("full", "lowrank")
+BACKENDS = ("local", "ray", "vllm")
+DEFAULT_ITERATIONS = 100
+
+
+@dataclass
+class ESConfig(Config):
+    """Hyperparameters of an ES run (deltalens.training.es; arXiv 2509.24372 as used by arXiv 2608.27351)."""
+
+    METHOD: ClassVar[str] = "es"
+    COUNT: ClassVar[str] = "iterations"
+
+    model: str = option("tiny", "model spec: tiny, smollm2, HF dir, run dir, .gguf, hub id", trajectory=True)
+    task: str = option("arith", "task name (deltalens.tasks)", flags=("-t",), trajectory=True)
+    data: str | None = option(None, "jsonl file or directory for the gsm8k and jsonl tasks", trajectory=True)
+    question_field: str = option("question", "jsonl task: question field", trajectory=True)
+    answer_field: str = option("answer", "jsonl task: answer field", trajectory=True)
+    population: int = option(32, "N: members per iteration (each a full-model perturbation)", flags=("-N",),
+                             trajectory=True)
+    sigma: float = option(1.5e-3, "σ: noise scale, θ_i = θ + σ ε_i with ε_i ~ N(0, I)", trajectory=True)
+    alpha: float = option(2.5e-4, "α: step, θ += (α/N) Σ z_i ε_i (α absorbs 1/σ, as in the paper)",
+                          trajectory=True)
+    prompts_per_iteration: int = option(64, "P: training prompts per iteration, shared by all members",
+                                        flags=("--prompts",), trajectory=True)
+    temperature: float = option(0.0, "training decoding temperature (0 = greedy, the paper's setting)",
+                                trajectory=True)
+    max_new_tokens: int | None = option(None, "generation budget per response (default: the task's)",
+                                        trajectory=True)
+    antithetic: bool = option(False, "mirrored pairs: member 2k+1 uses -ε of member 2k (population must be even)",
+                              trajectory=True)
+    fitness: str = option("zscore", "reward shaping: zscore (paper) or centered_rank (evosax style)",
+                          trajectory=True)
+    params: tuple[str, ...] = option(("*",), "comma-separated globs of parameter names to train; !glob excludes "
+                                     "(applied in order)", trajectory=True)
+    dtype: str = option("fp32", "weight dtype: fp32, bf16, fp16 (update accumulated in fp32, rounded once)",
+                        trajectory=True)
+    restore: str = option("copy", "restore after each member: copy (exact, one base copy) or subtract "
+                          "(no copy, inexact)", trajectory=True)
+    iterations: int | None = option(None, f"ES iterations (updates), total also on resume (default "
+                                    f"{DEFAULT_ITERATIONS}, or from --budget)")
+    budget: float | str | None = option(None, "FLOP-matched compute units (e.g. 2e6, 1.5M): iterations = the most "
+                                        "that fit, 2·N·P units each (deltalens.training.budget)")
+    eval_every: int = option(10, "held-out greedy Pass@1 every k iterations and at the end (0 = never)")
+    eval_limit: int = option(64, "number of held-out test problems in that evaluation")
+    checkpoint_every: int = option(10, "HF checkpoint every k iterations (resume points; 0 = only the final one)")
+    seed: int = option(0, "run seed: prompts and noise are functions of (seed, iteration, member, block)",
+                       trajectory=True)
+    backend: str = option("local", "where members are evaluated: local (in-process), ray (actors), vllm (engine)")
+    noise_threads: int = option(0, "threads drawing noise blocks in parallel (0 = torch's thread count; same "
+                                "results)")
+    workers: int = option(2, "ray backend: number of actors (each holds a model replica)",
+                          needs=("backend", ("ray",)))
+    threads_per_worker: int = option(1, "ray backend: torch threads per actor", needs=("backend", ("ray",)))
+    save_pt: bool = option(False, "also write a plain state dict (.pt) beside each checkpoint")
+    noise: str = option("full", "full (dense ε per tensor) or lowrank (EGGROLL: rank-r A·Bᵀ/√r on 2-D weights, "
+                        "dense ε on 1-D)", trajectory=True)
+    rank: int = option(1, "lowrank noise: rank r of each 2-D perturbation", needs=("noise", ("lowrank",)),
+                       trajectory=True)
+    population_batch: int = option(0, "members per batched generation (deltalens.training.es.population); 0 or 1: "
+                                   "one by one", trajectory=True)
+    device: str = option("cpu", "local backend: where the model runs (cpu, cuda, cuda:N, auto); noise is drawn on "
+                         "the CPU")
+
+    PRESETS: ClassVar[dict[str, dict]] = {
+        "paper": {},
+        # for the bundled tiny model; chosen on its test problems (no validation split then): docs/tuning.md
+        "tiny": {"sigma": 6e-3, "alpha": 3e-3, "antithetic": True, "population": 32, "prompts_per_iteration": 64,
+                 "eval_every": 10, "eval_limit": 200, "checkpoint_every": 10},
+    }
+
+    def __post_init__(self):
+        if isinstance(self.params, str):
+            self.params = tuple(p.strip() for p in self.params.split(",") if p.strip())
+        self.params = tuple(self.params)
+        check([
+            (self.population >= 2, f"population must be >= 2 (got {self.population}); set --population"),
+            (not self.antithetic or self.population % 2 == 0,
+             (f"antithetic pairs need an even population (got {self.population}); set --population to an "
+              "even number or drop --antithetic")),
+            (self.sigma > 0 and math.isfinite(self.sigma), f"sigma must be > 0 (got {self.sigma}); set --sigma"),
+            (self.alpha > 0 and math.isfinite(self.alpha), f"alpha must be > 0 (got {self.alpha}); set --alpha"),
+            (self.prompts_per_iteration >= 1,
+             f"prompts_per_iteration must be >= 1 (got {self.prompts_per_iteration}); set --prompts"),
+            (math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be >= 0 (got {self.temperature}); 0 is greedy"),
+            (self.max_new_tokens is None or self.max_new_tokens >= 1,
+             f"max_new_tokens must be >= 1 (got {self.max_new_tokens}); set --max-new-tokens"),
+            (self.fitness in FITNESS, f"unknown fitness {self.fitness!r}; use one of {', '.join(FITNESS)}"),
+            (bool(self.params), "params is empty; give at least one glob, e.g. --params '*'"),
+            (self.dtype in ("fp32", "bf16", "fp16"), f"dtype must be fp32, bf16 or fp16 (got {self.dtype!r})"),
+            (self.restore in ("copy", "subtract"), f"restore must be copy or subtract (got {self.restore!r})"),
+        ])
+        self._resolve_iterations()
+        check([
+            (self.iterations >= 1, f"iterations must be >= 1 (got {self.iterations}); set --iterations"),
+            (self.eval_every >= 0, f"eval_every must be >= 0 (got {self.eval_every}); 0 disables evaluation"),
+            (self.eval_limit >= 1, f"eval_limit must be >= 1 (got {self.eval_limit}); set --eval-limit"),
+            (self.checkpoint_every >= 0,
+             f"checkpoint_every must be >= 0 (got {self.checkpoint_every}); 0 saves only the final weights"),
+            (self.backend in BACKENDS, f"backend must be local, ray or vllm (got {self.backend!r})"),
+            (self.noise_threads >= 0, f"noise_threads must be >= 0 (got {self.noise_threads}); 0 = auto"),
+            (self.workers >= 1, f"workers must be >= 1 (got {self.workers}); set --workers"),
+            (self.threads_per_worker >= 1, f"threads_per_worker must be >= 1 (got {self.threads_per_worker})"),
+            (self.noise in NOISE, f"noise must be full or lowrank (got {self.noise!r}); set --noise"),
+            (self.rank >= 1, f"rank must be >= 1 (got {self.rank}); set --rank"),
+            (self.rank == 1 or self.noise == "lowrank",
+             f"--rank {self.rank} needs --noise lowrank (full-rank noise has no rank); add --noise lowrank"),
+            (self.population_batch >= 0,
+             f"population_batch must be >= 0 (got {self.population_batch}); 0 evaluates members one by one"),
+            (self.population_batch <= self.population,
+             (f"population_batch {self.population_batch} exceeds the population {self.population}; set "
+              f"--population-batch {self.population} or less")),
+            (self.device in ("cpu", "cuda", "auto") or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+             f"device must be cpu, cuda, cuda:N or auto (got {self.device!r}); set --device"),
+            (self.device == "cpu" or self.backend == "local",
+             f"--device {self.device} is for the local backend; ray and vllm place their own models"),
+            (self.backend == "local" or (self.noise == "full" and self.population_batch <= 1),
+             (f"--backend {self.backend} supports only full-rank noise evaluated member by member; use "
+              "--backend local for --noise lowrank or --population-batch (or drop those options)")),
+        ])
+
+    def _resolve_iterations(self) -> None:
+        """iterations from the budget (2·N·P units each), else the default; both given must agree."""
+        if self.budget is None:
+            if self.iterations is None:
+                self.iterations = DEFAULT_ITERATIONS
+            return
+        self.budget = parse_budget(self.budget)
+        n = iterations_for_budget(self.budget, self.prompts_per_iteration, self.population)
+        if self.iterations is None:
+            self.iterations = n
+        elif self.iterations != n:
+            check([(False, (f"iterations {self.iterations} and budget {self.budget:g} disagree (the budget gives "
+                           f"{n} iterations); pass one of --iterations or --budget"))])

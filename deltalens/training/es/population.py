@@ -1,0 +1,389 @@
+"""Population-batched ES evaluation: G members generate together, one batch of G x P prompts.
+
+EGGROLL (arXiv 2511.16652) runs ES at close
+to batch-inference throughput by never materialising perturbed weights: member i's linear layer
+computes x·Wᵀ + x·(σ/√r)·B_i·A_iᵀ, so every member shares one batched forward over W. We do that
+inside transformers' own `generate` (KV cache, padding, EOS unchanged): the batch holds G members x B
+prompts (member-major rows), and for the duration of the call the modules that own trained tensors
+get a member-aware forward that views the batch as [G, B·T, ...] and applies each member's weights:
+
+    nn.Linear     full rank: stacked W + σε_i [G, out, in], one bmm (baddbmm with a bias)
+                  low rank:  x·Wᵀ for all rows, plus bmm(bmm(x_i, B_i), (±σ/√r)·A_iᵀ) per member
+    nn.Embedding  full rank: rows gathered from the stacked tables
+                  low rank:  W[t] + (±σ/√r)·A_i[t]·B_iᵀ
+    RMSNorm       (Llama-style, 1-D weight: full-rank noise in both modes) stacked weights [G, d]
+
+Stragglers: one `generate` call runs until its longest row ends, and among G perturbed members some
+row often runs to the token budget (on tiny, N=32 x P=64: the centre's rows all end by token 45, the
+members' batch ran to 80 and took 2.3x as long). So `generate_replicated` generates SEGMENT tokens per
+call, continuing from the returned KV cache, and between calls retires the members whose rows have all
+ended (their rows leave the batch and the cache, their tensors leave `Members`): a finished member
+stops costing compute within SEGMENT tokens (rows that ended inside a member still running are computed
+on), and each member keeps its B rows, so the arithmetic per row does not change.
+
+Which members and which noise: the local backend (`deltalens.training.es.backends.local`) sends each
+group of `population_batch` members here. Noise is the engine's, from the same seeds (`ESEngine._noise` blocks for dense ε,
+`deltalens.training.es.lowrank.LowRankNoise.factors` for A, B), antithetic signs included; the update is
+`ESEngine.update` either way (it depends only on the rewards).
+
+Equality with the one-member-at-a-time loop (greedy decoding, the ES default):
+- full rank: each stacked W + σε_i is built with the very op `ESEngine.perturb` applies (same blocks,
+  same fp32 `add_`), so the member weights are bit-identical; prompts are cut into the same batches as
+  `HFBackend.generate` (same padding), and on CPU torch's bmm rounds each member's rows like the
+  sequential matmul. Result: identical responses and rewards, hence a bit-identical update
+  (tests/training/es/test_population.py checks it on the tiny model). This is an observed property of the
+  CPU kernels, not a guarantee: on an H200, cuBLAS rounded bmm differently (logits within 7.7e-7,
+  benchmarks/gpu_es_population.py), and then a near-tie in the greedy argmax can flip a token
+  (rewards "within fp32 rounding").
+- low rank: the sequential path materialises W + (σ/√r)·A·Bᵀ; this path adds the low-rank term to the
+  shared product, a different rounding: logits agree within fp32 rounding (the test allows 1e-5),
+  responses almost always agree (a near-tie can flip; on tiny they were identical), and the test
+  compares both. In bf16/fp16 the gap is no longer fp32 rounding: the sequential path rounds
+  W + σE to bf16, this path never forms it (a small tied Llama in bf16, r=1, σ=1.5e-3: logits differed
+  by up to 3.9e-3 where the perturbation itself moved them by 6.1e-2). Train low-rank batched runs in
+  fp32 when they must match the sequential path.
+- temperature > 0: transformers draws one random stream for the whole batch of G·B rows after
+  `torch.manual_seed(seed + batch index)`, so a member's samples differ from the ones it draws alone
+  (the sequential path gives every member the same stream); the distribution is the same.
+
+Memory: full rank stacks G copies of every trained tensor (G x parameters x dtype bytes, plus up to
+G - 1 more while the survivors of a batch are gathered; checked against the free memory first, with an
+error that says which `--population-batch` fits); low rank
+holds G·r·(out + in) floats per matrix. The KV cache grows with G·B rows either way.
+
+Departures from EGGROLL: members run inside HF `generate` (segmented, see above) rather than a custom
+JAX inference engine;
+full-rank members are batched too (stacked weights), for exact agreement with the paper's dense ES;
+the 1-D tensors keep dense noise; non-Llama modules that own trained tensors are refused rather than
+guessed (exclude them with --params).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltalens.errors import DeltalensError
+from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs
+from deltalens.training.es.strategy import add_scaled, member_noise
+
+# ----------------------------------------------------------------------------------------------
+# per-member tensors
+
+
+def _key(p: torch.Tensor) -> tuple:
+    """Identity of a parameter's storage (tied weights are one tensor)."""
+    return p.data_ptr(), tuple(p.shape)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device` (None when unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable")
+    except OSError:
+        return None
+
+
+def check_stack_memory(engine, group_size: int) -> None:
+    """Refuse a full-rank stack of `group_size` members that does not fit in the free memory."""
+    tensors = {j for j, _, _ in engine.dense_blocks}
+    per_member = sum(engine.params[j][2].numel() * engine.params[j][2].element_size() for j in tensors)
+    free = available_memory(engine.params[0][2].device)
+    # G stacked copies, plus up to G - 1 more while `Members.retire` gathers the survivors of a batch
+    need = (2 * group_size - 1) * per_member
+    if free is None or need <= 0.8 * free:
+        return
+    fits = int((0.8 * free // max(per_member, 1) + 1) // 2)
+    hint = f"--population-batch {fits}" if fits >= 2 else "--population-batch 0"
+    raise DeltalensError(f"--population-batch {group_size} with full-rank noise stacks {group_size} "
+                         f"perturbed copies (up to {need / 1e9:.1f} GB while finished members are dropped) but "
+                         f"{free / 1e9:.1f} GB is free; use {hint} or --noise lowrank")
+
+
+@torch.no_grad()
+def member_weights(engine, iteration: int, members: Sequence[int], timing: dict) -> dict:
+    """The per-member tensors of `members` (in order), keyed by `_key(parameter)`:
+    a stacked [G, *shape] tensor (dense noise), or (A, B) with A [G, out, r] = ±σ/√r·A_k, B [G, in, r]
+    (low-rank noise). Dense stacks are built block by block with `ESEngine`'s own noise and arithmetic."""
+    cfg = engine.config
+    g_size = len(members)
+    users: dict[int, list[tuple[int, int]]] = {}  # noise vector k -> [(row g, sign)]
+    for g, m in enumerate(members):
+        k, sign = member_noise(m, cfg.antithetic)
+        users.setdefault(k, []).append((g, sign))
+    t0 = time.perf_counter()
+    buffers = engine.member_buffers  # allocated once (population_batch rows), reused by every group
+    dense = sorted({j for j, _, _ in engine.dense_blocks})
+    if any(j not in buffers or len(buffers[j]) < g_size for j in dense):
+        rows = max(g_size, cfg.population_batch)
+        buffers.clear()
+        if engine.lowrank is None:
+            check_stack_memory(engine, rows)
+        for j in dense:
+            p = engine.params[j][2]
+            buffers[j] = torch.empty((rows, *p.shape), dtype=p.dtype, device=p.device)
+    stacks = {}
+    for j in dense:
+        p = engine.params[j][2].detach()
+        stacks[j] = buffers[j][:g_size]
+        stacks[j].copy_(p.expand(g_size, *p.shape))
+    timing["perturb_restore_s"] += time.perf_counter() - t0
+
+    def fill(block):
+        j, flat, b = block
+        p = engine.params[j][2]
+        off, n = (flat.data_ptr() - p.data_ptr()) // p.element_size(), flat.numel()
+        noise_s, other_s = 0.0, 0.0
+        for k, rows in users.items():
+            t1 = time.perf_counter()
+            eps = engine._noise(iteration, k, b, n).to(p.device)
+            t2 = time.perf_counter()
+            for g, sign in rows:  # the op of ESEngine._shift, on row g's copy of the block
+                add_scaled(stacks[j][g].view(-1)[off:off + n], eps, sign * cfg.sigma)
+            noise_s, other_s = noise_s + t2 - t1, other_s + time.perf_counter() - t2
+        return noise_s, other_s, None
+
+    engine._map_blocks(fill, timing, "noise_s", "perturb_restore_s")
+    out = {_key(engine.params[j][2]): st for j, st in stacks.items()}
+    if engine.lowrank is not None:
+        lr = engine.lowrank
+        for item in lr.items:
+            t1 = time.perf_counter()
+            p = item[2]
+            a_st = torch.empty(g_size, p.shape[0], lr.rank)
+            b_st = torch.empty(g_size, p.shape[1], lr.rank)
+            for k, rows in users.items():
+                a, b = lr.factors(iteration, k, item)
+                for g, sign in rows:
+                    a_st[g] = a * (sign * cfg.sigma * lr.scale)
+                    b_st[g] = b
+            out[_key(p)] = (a_st.to(device=p.device, dtype=p.dtype), b_st.to(device=p.device, dtype=p.dtype))
+            timing["noise_s"] += time.perf_counter() - t1
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# member-aware forwards
+
+
+def _rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's arithmetic without the weight: x / rms(x) in fp32, cast back."""
+    h = x.to(torch.float32)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _norm_eps(mod: nn.Module) -> float | None:
+    """eps of a Llama-style RMSNorm (forward = weight * normalised x), verified on a random input."""
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+    w = getattr(mod, "weight", None)
+    if not type(mod).__name__.endswith("RMSNorm") or not isinstance(eps, float) or w is None or w.dim() != 1:
+        return None
+    x = torch.randn(2, 3, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w)
+    with torch.no_grad():
+        return eps if torch.equal(mod(x), w * _rms_norm(x, eps)) else None
+
+
+class Members:
+    """The per-member tensors the member-aware forwards read (`member_weights`' dict), for the members
+    still generating: `retire` keeps some of them, so finished members stop costing compute."""
+
+    def __init__(self, weights: dict, count: int):
+        self.all, self.size = weights, count
+        self.weights, self.count = weights, count
+
+    def reset(self) -> None:
+        """All members again (the next batch of prompts)."""
+        self.weights, self.count = self.all, self.size
+
+    def get(self, p):
+        return self.weights.get(_key(p)) if isinstance(p, torch.Tensor) else None
+
+    def retire(self, keep: list[int]) -> None:
+        """Keep only the members at positions `keep` (in order) of the current ones."""
+        idx = torch.tensor(keep)
+        self.weights = {k: (v[idx.to(v.device)] if isinstance(v, torch.Tensor)
+                            else tuple(t[idx.to(t.device)] for t in v)) for k, v in self.weights.items()}
+        self.count = len(keep)
+
+
+def _member_forward(name: str, mod: nn.Module, members: Members):
+    """A forward for `mod` that treats its batch as `members.count` blocks of rows with their own weights."""
+    w, bias = getattr(mod, "weight", None), getattr(mod, "bias", None)
+
+    def split(x: torch.Tensor) -> torch.Tensor:  # [G·B, ..., d] -> [G, B·..., d]
+        if x.shape[0] % members.count:
+            raise DeltalensError(f"{name}: batch {x.shape[0]} is not {members.count} member blocks; "
+                                 "population batching needs batch-first modules (use --population-batch 0)")
+        return x.reshape(members.count, -1, x.shape[-1])
+
+    if isinstance(mod, nn.Linear):
+        def linear(x):
+            w_m, b_m, xv = members.get(w), members.get(bias), split(x)
+            if isinstance(w_m, torch.Tensor):  # full rank: stacked weights, one bmm
+                b = b_m if b_m is not None else (bias.expand(members.count, -1) if bias is not None else None)
+                y = torch.bmm(xv, w_m.transpose(1, 2)) if b is None else \
+                    torch.baddbmm(b.unsqueeze(1), xv, w_m.transpose(1, 2))
+                return y.reshape(*x.shape[:-1], y.shape[-1])
+            y = F.linear(x, w, bias if b_m is None else None)  # shared weights, all rows at once
+            yv = y.reshape(members.count, -1, y.shape[-1])
+            if b_m is not None:
+                yv = yv + b_m.unsqueeze(1)
+            if w_m is not None:  # low rank: + (x B_i)(±σ/√r A_i)ᵀ
+                a, b = w_m
+                yv = yv + torch.bmm(torch.bmm(xv, b), a.transpose(1, 2))
+            return yv.reshape(y.shape)
+        return linear
+
+    if isinstance(mod, nn.Embedding):
+        if mod.max_norm is not None:
+            raise DeltalensError(f"{name}: population batching does not support Embedding(max_norm=...); "
+                                 "use --population-batch 0")
+
+        def embedding(ids):
+            w_m, iv = members.get(w), ids.reshape(members.count, -1)
+            rows = torch.arange(members.count, device=ids.device).unsqueeze(1)
+            if isinstance(w_m, torch.Tensor):  # full rank: gather from the stacked tables
+                return w_m[rows, iv].reshape(*ids.shape, w.shape[1])
+            a, b = w_m  # low rank: W[t] + (±σ/√r A_i[t]) B_iᵀ
+            y = F.embedding(ids, w, mod.padding_idx).reshape(members.count, -1, w.shape[1])
+            return (y + torch.bmm(a[rows, iv], b.transpose(1, 2))).reshape(*ids.shape, w.shape[1])
+        return embedding
+
+    eps = _norm_eps(mod)
+    if eps is not None and set(dict(mod.named_parameters(recurse=False))) == {"weight"}:
+        def rms_norm(x):
+            return (members.get(w).unsqueeze(1) * split(_rms_norm(x, eps))).reshape(x.shape)
+        return rms_norm
+
+    raise DeltalensError(f"population batching supports nn.Linear, nn.Embedding and Llama-style RMSNorm; "
+                         f"{name} ({type(mod).__name__}) has trained parameters: exclude them with "
+                         f"--params '*,!{name}.*' or use --population-batch 0")
+
+
+@contextlib.contextmanager
+def member_modules(model: nn.Module, members: Members):
+    """Within the block, every module owning a tensor of `members` runs all members at once."""
+    plan = []
+    for name, mod in model.named_modules():
+        if any(_key(p) in members.weights for p in mod.parameters(recurse=False)):
+            plan.append((mod, _member_forward(name, mod, members), mod.__dict__.get("forward")))
+    try:
+        for mod, fwd, _ in plan:
+            mod.forward = fwd
+        yield members
+    finally:
+        for mod, _, old in plan:
+            if old is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = old
+
+
+# ----------------------------------------------------------------------------------------------
+# generation and scoring
+
+SEGMENT = 16  # new tokens per `generate` call between retirements of finished members
+
+
+def _cache_name() -> str:
+    """transformers >= 5 calls the generate/output argument `cache`; before, `past_key_values`."""
+    from transformers.utils import generic
+
+    return "cache" if hasattr(generic, "_rename_kwargs_for_bc") else "past_key_values"
+
+
+@torch.no_grad()
+def generate_replicated(generator, prompts: list[str], replicas: int, params, members: Members | None = None,
+                        segment: int | None = SEGMENT) -> list[list[str]]:
+    """out[g][i]: the completion of prompt i by replica g (one completion per prompt).
+
+    The prompts are cut into the batches `HFBackend.generate` makes (sorted by length, same size bound,
+    same padding, `torch.manual_seed(seed + batch index)`), and each batch is repeated `replicas` times,
+    replica-major: rows g·b .. g·b + b - 1 belong to replica g. Generation runs `segment` tokens per
+    `generate` call, continuing from the returned KV cache (the same arithmetic as one call); between
+    calls the replicas whose rows have all ended are retired (rows, cache and `members` cut down), so
+    a member that ends early stops costing compute, as it would alone. segment=None: one call.
+    """
+    from transformers.utils import logging as hf_logging
+
+    if params.n != 1:
+        raise DeltalensError("population batching generates one completion per prompt (n = 1)")
+    tok, model = generator.tok, generator.model
+    enc = generator.encode(prompts)
+    out = [[""] * len(prompts) for _ in range(replicas)]
+    device = next(model.parameters()).device
+    eos, cache_name = tok.eos_token_id, _cache_name()
+    kw = sampling_kwargs(params.temperature, params.top_p)
+    verbosity = hf_logging.get_verbosity()
+    batches = length_batches([len(e) for e in enc], 1, params.max_new_tokens, generator.batch_tokens,
+                             generator.max_batch)
+    for batch, items in enumerate(batches):
+        chunk = [i for i, _ in items]
+        ids, att = left_pad([enc[i] for i in chunk], tok.pad_token_id)
+        t = ids.shape[1]
+        seqs, mask = ids.repeat(replicas, 1).to(device), att.repeat(replicas, 1).to(device)
+        live, cache, produced = list(range(replicas)), None, 0
+        if members is not None:
+            members.reset()
+        torch.manual_seed(params.seed + batch)
+        try:
+            while live:
+                if produced:  # rows that ended end in padding: not the right padding transformers warns of
+                    hf_logging.set_verbosity_error()
+                step = min(segment or params.max_new_tokens, params.max_new_tokens - produced)
+                res = model.generate(input_ids=seqs, attention_mask=mask, max_new_tokens=step,
+                                     pad_token_id=tok.pad_token_id, eos_token_id=eos,
+                                     return_dict_in_generate=True, **{cache_name: cache}, **kw)
+                new = res.sequences.shape[1] - seqs.shape[1]
+                seqs, cache, produced = res.sequences, getattr(res, cache_name), produced + new
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
+                gen = seqs[:, t:].cpu()
+                ended = (gen == eos).any(1).view(len(live), len(chunk)).all(1).tolist()
+                stop = produced >= params.max_new_tokens or new < step
+                keep = [k for k in range(len(live)) if not (stop or ended[k])]
+                for k, g in enumerate(live):
+                    if k not in keep:
+                        for r, i in enumerate(chunk):
+                            row = gen[k * len(chunk) + r].tolist()
+                            out[g][i] = tok.decode(row[:row.index(eos)] if eos in row else row,
+                                                   skip_special_tokens=True)
+                if keep and len(keep) < len(live):
+                    rows = torch.cat([torch.arange(k * len(chunk), (k + 1) * len(chunk)) for k in keep])
+                    rows = rows.to(device)
+                    seqs, mask = seqs[rows], mask[rows]
+                    cache.batch_select_indices(rows)
+                    if members is not None:
+                        members.retire(keep)
+                live = [live[k] for k in keep]
+        finally:
+            hf_logging.set_verbosity(verbosity)
+    return out
+
+
+def evaluate_batched(engine, iteration: int, members: Sequence[int], problems,
+                     timing: dict) -> dict[int, float]:
+    """Reward of each member, `engine.config.population_batch` members per batched generation."""
+    members = list(members)
+    size = engine.config.population_batch
+    prompts = [p.prompt for p in problems]
+    out = {}
+    for start in range(0, len(members), size):
+        group = members[start:start + size]
+        weights = member_weights(engine, iteration, group, timing)
+        t0 = time.perf_counter()
+        with member_modules(engine.model, Members(weights, len(group))) as live:
+            completions = generate_replicated(engine.generator, prompts, len(group), engine.sampling_params(),
+                                              live, segment=SEGMENT)
+        for g, m in enumerate(group):
+            out[m] = engine.mean_reward(completions[g], problems)
+        timing["generation_s"] += time.perf_counter() - t0
+    return out

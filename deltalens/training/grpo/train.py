@@ -1,0 +1,468 @@
+"""GRPO fine-tuning through TRL's `GRPOTrainer`, writing the same run directory as ES.
+
+We do not implement GRPO here: `train_grpo` drives `trl.GRPOTrainer` with a deltalens model, task and
+reward function (`Task.reward_fn()`, already in TRL's `(prompts, completions, answer=..., **cols)`
+interface) and makes its run look like an ES run to the rest of deltalens (`deltalens.io.runs.RunDir`):
+
+    out/config.json        {"method": "grpo", ...GRPOConfig fields, "deltalens_version"}
+    out/metrics.jsonl      one row per optimizer step, from TRL's logs (a TrainerCallback): "iteration"
+                           (= step, so reports treat ES and GRPO alike), reward_mean/std/min/max, kl,
+                           entropy, clip_ratio, loss, grad_norm, learning_rate, completion_length,
+                           units (compute units so far, `deltalens.training.budget`), timing.iteration_s, the raw
+                           TRL log under "trl", and "eval" (held-out greedy Pass@1) every eval_every steps;
+                           a row {"iteration": 0, "eval": ...} before the first step, as ES writes
+    out/state.json         {"method": "grpo", "iteration": k, "checkpoint": "iter-00000k", ...}
+    out/checkpoints/iter-XXXXXX/       HF format (RunDir.save), every save_every steps
+    out/checkpoints/iter-XXXXXX.trainer.pt   optimizer + LR-scheduler state of that checkpoint
+    out/checkpoints/final/ (+ final.trainer.pt)   the last weights; `load_model(out)` loads them
+
+Every file is written atomically and state.json last, so it only ever names a checkpoint whose weights
+and optimizer state are both complete.
+
+One GRPO step (TRL, `loss_type="grpo"`, μ = num_iterations = 1): draw P prompts, sample G completions
+each at `temperature`, score them with the task reward, advantages A = (r - mean_group) / std_group,
+and take one AdamW step on the clipped surrogate (ε) minus β·KL(π || π_ref) (the k3 estimator) against
+the frozen starting weights, each sequence's token losses averaged over its length. TRL batches
+completions, not prompts: a step generates P·G completions (`generation_batch_size`) and back-props them
+in micro-batches of `micro_batch_size` (gradient accumulation), so one step = one generation = one
+optimizer update.
+
+Prompts: step t uses the P problems `task.train(P, Random("deltalens-grpo-prompts/<seed>/<t>"))`, in
+order (TRL's shuffling is off), so the data of a step is a function of (seed, t) only.
+
+Exact resume: a GRPO state is the weights + the AdamW moments + the LR-scheduler position + the step
+(unlike ES, whose state is weights + (seed, step)). Checkpoints store the optimizer and scheduler state
+with `torch.save` beside the HF directory and resume reloads them with `torch.load(weights_only=True)`.
+Sampling is reseeded at every step from (seed, step) (`step_seed`), prompts are a function of (seed,
+step), and the KL reference is always the run's starting weights (never the checkpoint being resumed), so
+a killed and resumed run ends with the same weights as an uninterrupted one (bit-identical on the same
+machine and thread count, tested). Not covered: vLLM generation (its sampler has its own seeds), and
+changing settings that decide the trajectory (`trajectory=True` fields of `GRPOConfig`; `steps` may grow only with a
+constant LR schedule).
+
+Precision (`dtype`). TRL/Trainer's `bf16`/`fp16` flags are *mixed precision*: autocast around the
+forward passes (plus loss scaling for fp16); parameters, gradients and AdamW state keep the dtype the
+model was loaded in (TRL's `model_init_kwargs={"dtype": ...}`), and TRL turns bf16 autocast on by
+default. Here, as for ES, `dtype` is the weight dtype: fp32 = fp32 weights, no autocast; bf16 = bf16
+weights, gradients and Adam state + bf16 autocast (TRL's usual bf16 setup; updates far below a weight's
+bf16 resolution are lost, so prefer `dtype=fp32, autocast=bf16` at lr 1e-6); fp16 = fp32 master weights +
+fp16 autocast with loss scaling (Trainer cannot step fp16 weights; GPU only; checkpoints are fp32).
+`autocast` overrides the mixed-precision part.
+
+GPU path (not exercised in the CPU tests): `device="cuda"` lets Trainer place the model on the GPU;
+`use_vllm=True` generates with vLLM (`vllm_mode="colocate"` shares the training GPUs, "server" talks to
+`trl vllm-serve`); several GPUs: `accelerate launch [--config_file deepspeed_zero2.yaml] -m
+deltalens.cli.main train grpo --device cuda ...` (DDP or DeepSpeed ZeRO-1/2; only rank 0
+writes the run directory; ZeRO-3/FSDP are not supported by this checkpoint writer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import random
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from deltalens.errors import DeltalensError
+from deltalens.generation import HFBackend
+from deltalens.io.atomic import atomic_dir, atomic_path
+from deltalens.io.models import load_model
+from deltalens.io.runs import RunDir, checkpoint_name
+from deltalens.io.spec import resolve
+from deltalens.tasks import CORRECT, problem_columns
+from deltalens.training.budget import grpo_units
+from deltalens.training.grpo.config import GRPOConfig
+from deltalens.training.run import held_out_pass_at_1, make_task, open_run
+
+# ----------------------------------------------------------------------------------------------
+# data, seeds, rewards
+
+
+def _key32(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little")
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The torch seed of step `step`'s sampling: a function of (run seed, step) only (32 bits, since
+    torch's CPU generator keeps only the low 32 bits of a seed)."""
+    return _key32(f"deltalens-grpo-sampling/{seed}/{step}")
+
+
+def step_problems(task, seed: int, step: int, n: int):
+    """The `n` training problems of step `step` (a function of (seed, step): resume needs no data state)."""
+    return task.train(n, random.Random(f"deltalens-grpo-prompts/{seed}/{step}"))
+
+
+def build_dataset(task, config: GRPOConfig, first_step: int, last_step: int):
+    """A `datasets.Dataset` with the prompts of steps first_step..last_step, in order.
+
+    Columns: prompt (text, or a one-message conversation with chat_template), answer, and the task's
+    extra columns (`problem_columns`, e.g. countdown's numbers), which TRL passes to the reward function.
+    With num_iterations = μ > 1 one generation serves μ steps, so only every μ-th step draws prompts.
+    """
+    from datasets import Dataset
+
+    mu = config.num_iterations
+    problems = []
+    for step in range(first_step, last_step + 1, mu):
+        problems.extend(step_problems(task, config.seed, step, config.prompts_per_step))
+    prompts = [p.prompt for p in problems]
+    if config.chat_template:
+        prompts = [[{"role": "user", "content": p}] for p in prompts]
+    return Dataset.from_dict({"prompt": prompts, **problem_columns(problems)})
+
+
+class RewardRecorder:
+    """Wraps a TRL-style reward function and keeps the rewards of the current step (TRL logs only their
+    mean and std; the metrics rows also want min/max and the fraction correct)."""
+
+    def __init__(self, fn: Callable[..., list[float]]):
+        self.fn, self.rewards = fn, []
+
+        def reward(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self.rewards.extend(float(r) for r in out if r is not None)
+            return out
+
+        reward.__name__ = getattr(fn, "__name__", "reward")
+        self.reward = reward
+
+    def take(self) -> list[float]:
+        out, self.rewards = self.rewards, []
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL glue
+
+
+def trl_args(config: GRPOConfig, output_dir: str | Path, world_size: int | None = None):
+    """TRL's `GRPOConfig` for `config`: every setting whose TRL default differs is set explicitly."""
+    try:
+        from trl import GRPOConfig as TRLGRPOConfig
+    except ImportError as e:
+        raise DeltalensError("GRPO needs TRL: pip install 'deltalens[trl]' (trl and datasets)") from e
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    total = config.completions_per_step
+    micro = config.micro_batch_size or total // world
+    if total % (micro * world):
+        raise DeltalensError(f"prompts_per_step x num_generations ({total}) must be a multiple of micro_batch_size "
+                             f"({micro}) x processes ({world}); change --micro-batch or --prompts")
+    accum = total // (micro * world)
+    mp = config.mixed_precision
+    kwargs = dict(
+        output_dir=str(output_dir),
+        use_cpu=config.device == "cpu",
+        report_to="none",
+        seed=config.seed,
+        data_seed=config.seed,
+        max_steps=config.steps,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accum,  # steps_per_generation defaults to this: one generation per step
+        num_generations=config.num_generations,
+        num_iterations=config.num_iterations,
+        loss_type=config.loss_type,
+        beta=config.beta,
+        epsilon=config.epsilon,
+        epsilon_high=config.epsilon_high,
+        scale_rewards=config.scale_rewards,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        max_completion_length=None,  # set below (the task's budget)
+        learning_rate=config.learning_rate,
+        lr_scheduler_type=config.lr_scheduler,
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm,
+        optim="adamw_torch",
+        bf16=mp == "bf16",
+        fp16=mp == "fp16",
+        **_checkpointing_arg(config.gradient_checkpointing),
+        shuffle_dataset=False,  # step t's prompts are rows [(t-1)P, tP) of the dataset
+        remove_unused_columns=False,  # the reward function needs answer (+ task columns)
+        logging_strategy="steps",
+        logging_steps=1,
+        save_strategy="no",  # checkpoints are ours (RunDir), see _RunCallback
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        use_vllm=config.use_vllm,
+        vllm_mode=config.vllm_mode,
+        log_completions=False,
+    )
+    return TRLGRPOConfig(**kwargs)
+
+
+def _checkpointing_arg(on: bool) -> dict:
+    """transformers 5 renamed gradient_checkpointing to activation_checkpointing (the old name warns)."""
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": on}
+
+
+def _trainer_class():
+    from trl import GRPOTrainer
+
+    class DeltalensGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer with two hooks: the LR schedule spans the whole run (also when resuming with fewer
+        steps left), and sampling is reseeded from (seed, step) before every generation."""
+
+        step_offset = 0  # steps done before this trainer started (resume)
+        total_steps = 0
+        run_seed = 0
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            return super().create_scheduler(self.total_steps or num_training_steps, optimizer)
+
+        def _generate_and_score_completions(self, inputs):
+            if self.model.training:
+                torch.manual_seed(step_seed(self.run_seed, self.step_offset + self.state.global_step + 1))
+            return super()._generate_and_score_completions(inputs)
+
+    return DeltalensGRPOTrainer
+
+
+def _trainer_state_path(run, name: str) -> Path:
+    return run.ckpt / f"{name}.trainer.pt"
+
+
+def save_trainer_state(path: Path, optimizer, scheduler, step: int) -> None:
+    """Optimizer + LR-scheduler state of a checkpoint (torch.save, atomic; tensors, numbers, lists only,
+    so `torch.load(weights_only=True)` reads it back)."""
+    obj = {"format": 1, "step": step, "optimizer": optimizer.state_dict(),
+           "scheduler": scheduler.state_dict() if scheduler is not None else None}
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def load_trainer_state(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise DeltalensError(f"{path} is missing: this checkpoint has no optimizer state, so the run cannot be "
+                             "resumed exactly; start a new run with --init-from on that checkpoint") from None
+    except Exception as e:
+        raise DeltalensError(f"cannot read optimizer state {path} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:160]}); it is corrupt: restore it or start a new run") from e
+
+
+def _held_out(model, tok, task, config: GRPOConfig) -> dict:
+    """Greedy Pass@1 on the first `eval_limit` test problems (the same measure ES logs)."""
+    return held_out_pass_at_1(model, tok, task, limit=config.eval_limit,
+                              max_new_tokens=config.max_new_tokens or task.max_new_tokens,
+                              backend=HFBackend(model, tok, chat_template=config.chat_template))
+
+
+def _num(v):
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+    return None
+
+
+def metrics_row(step: int, logs: dict, rewards: list[float], config: GRPOConfig, iteration_s: float) -> dict:
+    """One metrics.jsonl row from TRL's log of a step (+ our recorded rewards)."""
+    if rewards:
+        n = len(rewards)
+        mean = math.fsum(rewards) / n
+        stats = {"reward_mean": mean, "reward_std": math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / n),
+                 "reward_min": min(rewards), "reward_max": max(rewards),
+                 "frac_correct": sum(r == CORRECT for r in rewards) / n}
+    else:  # another process generated this step's completions: fall back to TRL's aggregates
+        mean = _num(logs.get("reward")) or 0.0
+        stats = {"reward_mean": mean, "reward_std": _num(logs.get("reward_std")), "reward_min": None,
+                 "reward_max": mean, "frac_correct": None}
+    return {
+        "iteration": step,
+        **stats,
+        "kl": _num(logs.get("kl")),
+        "entropy": _num(logs.get("entropy")),
+        "clip_ratio": _num(logs.get("clip_ratio/region_mean")),
+        "clip_ratio_low": _num(logs.get("clip_ratio/low_mean")),
+        "clip_ratio_high": _num(logs.get("clip_ratio/high_mean")),
+        "loss": _num(logs.get("loss")),
+        "grad_norm": _num(logs.get("grad_norm")),
+        "learning_rate": _num(logs.get("learning_rate")),
+        "completion_length": _num(logs.get("completions/mean_length")),
+        "frac_reward_zero_std": _num(logs.get("frac_reward_zero_std")),
+        "units": grpo_units(step, config.prompts_per_step, config.num_generations),
+        "timing": {"iteration_s": round(iteration_s, 4), "trl_step_s": _num(logs.get("step_time"))},
+        "trl": {k: _num(v) for k, v in logs.items() if _num(v) is not None},
+    }
+
+
+def _run_callback_class():
+    from transformers import TrainerCallback
+
+    class RunCallback(TrainerCallback):
+        """Turns TRL's per-step logs into metrics rows, evaluations, checkpoints and progress calls."""
+
+        def __init__(self, run, config, task, tok, start, recorder, progress, resume_state):
+            self.run, self.config, self.task, self.tok = run, config, task, tok
+            self.start, self.recorder, self.progress = start, recorder, progress
+            self.resume_state = resume_state
+            self.trainer = None
+            self.t_last = time.perf_counter()
+
+        def _model(self, model):
+            return self.trainer.accelerator.unwrap_model(model) if self.trainer is not None else model
+
+        def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kw):
+            if self.resume_state is not None:  # exact resume: AdamW moments + LR position
+                optimizer.load_state_dict(self.resume_state["optimizer"])
+                if lr_scheduler is not None and self.resume_state.get("scheduler") is not None:
+                    lr_scheduler.load_state_dict(self.resume_state["scheduler"])
+            self.t_last = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, model=None, optimizer=None, lr_scheduler=None, **kw):
+            logs = logs or {}
+            if "loss" not in logs and "reward" not in logs:
+                return  # the end-of-training summary (train_runtime, ...)
+            step = self.start + state.global_step
+            cfg = self.config
+            row = metrics_row(step, logs, self.recorder.take(), cfg, time.perf_counter() - self.t_last)
+            if not state.is_world_process_zero:
+                return
+            m = self._model(model)
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                row["eval"] = _held_out(m, self.tok, self.task, cfg)
+            self.run.log(row)
+            name = "final" if step == cfg.steps else (
+                checkpoint_name(step) if cfg.save_every and step % cfg.save_every == 0 else None)
+            if name is not None:
+                save_trainer_state(_trainer_state_path(self.run, name), optimizer, lr_scheduler, step)
+                _save_weights(self.run, m, self.tok, name, {"method": "grpo", "iteration": step, "seed": cfg.seed},
+                              cfg.save_pt)
+            if self.progress:
+                self.progress(step, cfg.steps, row)
+            self.t_last = time.perf_counter()
+
+    return RunCallback
+
+
+def _save_weights(run, model, tok, name: str, state: dict, save_pt: bool) -> None:
+    """RunDir.save with the model's config as it was loaded (TRL turns use_cache off under gradient
+    checkpointing; a checkpoint should generate with a KV cache)."""
+    use_cache = getattr(model.config, "use_cache", None)
+    try:
+        if use_cache is False:
+            model.config.use_cache = True
+        run.save(model, tok, name, state, save_pt=save_pt)
+    finally:
+        if use_cache is not None:
+            model.config.use_cache = use_cache
+
+
+def _start_model(config: GRPOConfig):
+    """(model, tokenizer, kind, location) of the starting weights: init_from, else model."""
+    spec = config.init_from or config.model
+    ref = resolve(spec)
+    kind, loc = ref.kind, ref.location
+    if kind == "weights":
+        model, tok = load_model(spec, config=config.model, dtype=config.load_dtype)
+    else:
+        model, tok = load_model(spec, dtype=config.load_dtype)
+    return model, tok, kind, loc
+
+
+def _reference_dir(run, config: GRPOConfig, kind: str, loc, start: tuple | None) -> str:
+    """Where TRL loads the KL reference (the starting weights) from: `from_pretrained(config._name_or_path)`.
+
+    HF directories, run directories (their final checkpoint) and hub ids are loaded from where they are;
+    starting weights TRL cannot load that way (.gguf, bare .pt/.safetensors) are written once as an HF
+    directory `checkpoints/reference/` in the run. `start` = (model, tokenizer) of the starting weights
+    when already loaded.
+    """
+    if kind in ("hf_dir", "hub"):
+        return str(loc)
+    ref = run.ckpt / "reference"
+    if not (ref / "config.json").exists():
+        model, tok = start if start is not None else _start_model(config)[:2]
+        with atomic_dir(ref) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tok.save_pretrained(tmp)
+    return str(ref)
+
+
+def train_grpo(config: GRPOConfig, out: str | Path, resume: bool = False,
+               progress: Callable[[int, int, dict | None], None] | None = None, *,
+               overwrite: bool = False) -> Path:
+    """Run (or resume) GRPO through TRL into the run directory `out`; returns its path.
+
+    progress(done, total, row) is called once before the first step (row None) and after every step with
+    its metrics row (reward_mean, reward_max, timing.iteration_s, eval...). With `resume`, the run
+    continues from its last checkpoint (weights + optimizer state) and ends as an uninterrupted run would;
+    only non-trajectory settings (steps with a constant LR, eval/save cadence, save_pt, device) may change.
+    """
+    try:
+        import datasets  # noqa: F401
+        import trl  # noqa: F401
+    except ImportError as e:
+        raise DeltalensError("GRPO needs TRL: pip install 'deltalens[trl]' (trl and datasets)") from e
+
+    run = RunDir(out)
+    main = int(os.environ.get("RANK", "0")) == 0  # under `accelerate launch` only rank 0 writes the run
+    state = open_run(run, config, resume=resume, overwrite=overwrite, write=main)
+    latest = run.latest() if state else None
+    start = state["iteration"] if state and latest is not None else 0
+    if main:
+        run.truncate_metrics(start if start > 0 else -1)
+    if start >= config.steps:
+        return run.path
+
+    resume_state = None
+    if start > 0:
+        resume_state = load_trainer_state(_trainer_state_path(run, latest.name))
+        if resume_state.get("step") != start:
+            raise DeltalensError(f"optimizer state of {latest} is for step {resume_state.get('step')}, "
+                                 f"state.json says {start}; the run directory is inconsistent")
+        ref = resolve(config.init_from or config.model)
+        ref_dir = _reference_dir(run, config, ref.kind, ref.location, None) if config.beta > 0 else None
+        model, tok = load_model(str(latest), dtype=config.load_dtype)
+    else:
+        model, tok, kind, loc = _start_model(config)
+        ref_dir = _reference_dir(run, config, kind, loc, (model, tok)) if config.beta > 0 else None
+    if ref_dir is not None:
+        model.config._name_or_path = ref_dir  # TRL builds the reference with from_pretrained(this)
+    task = make_task(config)
+    max_new = config.max_new_tokens or task.max_new_tokens
+
+    out_trl = run.path / ".trl"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|trl)\b")
+        args = trl_args(config, out_trl)
+    args.max_completion_length = max_new
+    args.max_steps = config.steps - start
+    recorder = RewardRecorder(task.reward_fn())
+    callback = _run_callback_class()(run, config, task, tok, start, recorder, progress, resume_state)
+
+    model.train()
+    if start == 0 and config.eval_every and main:
+        run.log({"iteration": 0, "units": 0, "eval": _held_out(model, tok, task, config)})
+    dataset = build_dataset(task, config, start + 1, config.steps)
+
+    from transformers import PrinterCallback, ProgressCallback
+
+    with warnings.catch_warnings():
+        # transformers/TRL deprecation notices about their own internals: nothing a user can act on
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|trl)\b")
+        trainer = _trainer_class()(model=model, reward_funcs=recorder.reward, args=args, train_dataset=dataset,
+                                   processing_class=tok, callbacks=[callback])
+        trainer.step_offset, trainer.total_steps, trainer.run_seed = start, config.steps, config.seed
+        for cb in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(cb)
+        callback.trainer = trainer
+        if progress:
+            progress(start, config.steps, None)
+        trainer.train()
+    try:
+        out_trl.rmdir()  # TRL writes nothing there with save_strategy="no"; keep it if it did
+    except OSError:
+        pass
+    return run.path

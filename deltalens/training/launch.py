@@ -1,0 +1,117 @@
+"""Entry points of `deltalens train`: a config from (preset, YAML, command line), then the trainer.
+
+    start("es", given={"sigma": 3e-3}, yaml_path="run.yaml", out="runs/es")   # deltalens train es ...
+    start("es", given={"iterations": 200}, resume="runs/es")                 # continue with new settings
+    resume_run("runs/x", given={"iterations": 200})                          # deltalens train resume DIR
+
+Precedence, lowest first: the dataclass defaults, the preset (`auto`: the model's own preset where it
+has one, else the paper's), the YAML file, the options given on the command line. A resume starts from
+the run's stored config instead of a preset; options that decide the trajectory may not change
+(`deltalens.training.run.check_resume`). Everything is validated before the run directory is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from deltalens.config import Config, load_yaml
+from deltalens.errors import DeltalensError
+from deltalens.io.runs import RunDir
+from deltalens.training.chain import ChainConfig, train_chain, train_chain_config
+from deltalens.training.es.config import ESConfig
+from deltalens.training.es.train import train_es
+from deltalens.training.grpo.config import GRPOConfig
+from deltalens.training.grpo.train import train_grpo
+
+CONFIGS: dict[str, type[Config]] = {"es": ESConfig, "grpo": GRPOConfig, "chain": ChainConfig}
+CHAIN_METHODS = ("es-grpo", "grpo-es")  # what a chain's config.json says in "method"
+Progress = Callable[[int, int, "dict | None"], None]
+
+
+def auto_preset(model: str | None) -> str:
+    """The preset `auto` stands for: `tiny` for the bundled tiny model, else the paper's settings."""
+    return "tiny" if (model or "tiny") == "tiny" else "paper"
+
+
+def _yaml(path: str | Path | None, method: str) -> tuple[dict, str | None]:
+    """The YAML mapping (run-level keys removed) and the preset it names, if any."""
+    if path is None:
+        return {}, None
+    data = load_yaml(path)
+    named = data.pop("method", None)
+    data.pop("deltalens_version", None)
+    if named is not None and named != method and not (method == "chain" and named in CHAIN_METHODS):
+        raise DeltalensError(f"{path} is a {named!r} config; use `deltalens train {named}` for it")
+    if method == "chain" and "stages" in data:
+        raise DeltalensError(f"{path} is a chain run's config.json; continue that run with `deltalens train "
+                             "resume DIR`")
+    return data, data.pop("preset", None)
+
+
+def make_config(method: str, *, given: dict | None = None, yaml_path: str | Path | None = None,
+                preset: str | None = None) -> tuple[Config, str]:
+    """The config of a new `method` run and the preset used. `given`: command-line options actually passed."""
+    if method not in CONFIGS:
+        raise DeltalensError(f"unknown method {method!r}; use one of {', '.join(CONFIGS)}")
+    cls = CONFIGS[method]
+    given = dict(given or {})
+    yaml, yaml_preset = _yaml(yaml_path, method)
+    model = given.get("model") or yaml.get("model") or cls.field("model").default
+    preset = preset or yaml_preset or "auto"
+    if preset == "auto":
+        preset = auto_preset(model)
+    source = str(yaml_path) if yaml_path is not None else "the config file"
+    if cls is ChainConfig:
+        return ChainConfig.resolve(yaml=yaml, given=given, source=source), preset
+    return cls.resolve(preset=preset, yaml=yaml, given=given, source=source), preset
+
+
+def start(method: str, *, out: str | Path | None = None, resume: str | Path | None = None,
+          given: dict | None = None, yaml_path: str | Path | None = None, preset: str | None = None,
+          overwrite: bool = False, progress: Progress | None = None) -> Path:
+    """`deltalens train es|grpo|chain`: a new run into `out`, or with `resume` a continued one."""
+    if resume is not None:
+        if out is not None and Path(out).resolve() != Path(resume).resolve():
+            raise DeltalensError(f"--out {out} and --resume {resume} differ; pass only --resume {resume}")
+        if preset is not None:
+            raise DeltalensError("--preset is for new runs; a resumed run keeps its own settings")
+        stored = _run_method(Path(resume))
+        if stored != method and not (method == "chain" and stored in CHAIN_METHODS):
+            raise DeltalensError(f"{resume} is a {stored} run; continue it with `deltalens train resume {resume}`")
+        yaml, _ = _yaml(yaml_path, method)
+        return resume_run(resume, given={**yaml, **(given or {})}, progress=progress)
+    if out is None:
+        raise DeltalensError("pass --out DIR for a new run (or --resume DIR to continue one)")
+    config, preset = make_config(method, given=given, yaml_path=yaml_path, preset=preset)
+    if isinstance(config, ChainConfig):
+        return train_chain_config(config, out, preset=preset, overwrite=overwrite, progress=progress)
+    trainer = train_es if method == "es" else train_grpo
+    return trainer(config, out, resume=False, progress=progress, overwrite=overwrite)
+
+
+def _run_method(run_dir: Path) -> str:
+    run = RunDir(run_dir)
+    if not (run.path / "config.json").is_file():
+        raise DeltalensError(f"nothing to resume in {run.path} (no config.json); start a run with --out")
+    method = run.method()
+    if method not in ("es", "grpo", *CHAIN_METHODS):
+        raise DeltalensError(f"{run.path}/config.json names no deltalens training method; is it a run directory?")
+    return method
+
+
+def resume_run(run_dir: str | Path, *, given: dict | None = None, progress: Progress | None = None) -> Path:
+    """`deltalens train resume DIR`: continue the run with its own method and settings; `given` may change
+    the settings that do not decide the trajectory (e.g. `iterations`/`steps` to grow it)."""
+    run_dir = Path(run_dir)
+    method = _run_method(run_dir)
+    given = dict(given or {})
+    if method in CHAIN_METHODS:
+        if given:
+            raise DeltalensError(f"a chain resumes with its stored settings; drop {', '.join(sorted(given))}")
+        return train_chain(run_dir, RunDir(run_dir).config()["methods"], resume=True, progress=progress)
+    cls = CONFIGS[method]
+    stored = cls.from_dict(RunDir(run_dir).config(), source=str(run_dir / "config.json"))
+    config = cls.resolve(stored={k: v for k, v in stored.to_dict().items() if k != "method"}, given=given)
+    trainer = train_es if method == "es" else train_grpo
+    return trainer(config, run_dir, resume=True, progress=progress)

@@ -1,0 +1,350 @@
+"""Population diversity: formulas by hand, scoring = sampling distribution, known JS values (0, log 2,
+an exact two-member value), exact member reconstruction (fresh noise and an ES run), CLI, small-σ law."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from support import small_llama, tiny_spec
+
+from deltalens.analysis.diversity import (
+    ESPopulation,
+    ModelPopulation,
+    binary_entropy,
+    coverage,
+    diversity_section,
+    encode_prompts,
+    js_from_logprobs,
+    js_success,
+    load_population,
+    population_divergence,
+    sample_responses,
+    sequence_logprobs,
+)
+from deltalens.errors import DeltalensError
+from deltalens.schema import validate
+from deltalens.tasks import Problem, Task, get_task
+
+
+def _small_model(seed: int = 0):
+    return small_llama(seed=seed)
+
+
+T = 0.6
+
+
+def _bigram_model(tok, rows: dict[str, tuple[float, dict[str, float]]]):
+    """A 1-layer Llama that is exactly a bigram model: next-token logits depend only on the current token.
+
+    Attention and MLP outputs are zero, so the residual stream is the embedding, a one-hot vector per
+    token (hidden >= vocab); the final RMSNorm scales it by s, and lm_head[:, v] = logits(v -> .) / s.
+    rows[c] = (default logit, {next token: logit}) after token c; logits after other tokens are 0.
+    """
+    from transformers import LlamaForCausalLM
+
+    from deltalens.tiny.build import build_config
+
+    vocab = len(tok)
+    cfg = build_config(vocab, hidden=128, layers=1, heads=2, kv_heads=1, intermediate=8)
+    model = LlamaForCausalLM(cfg).eval()
+    s = 1.0 / math.sqrt(1.0 / cfg.hidden_size + cfg.rms_norm_eps)
+
+    def tid(c):
+        return tok.eos_token_id if c == "<eos>" else tok.convert_tokens_to_ids(c)
+
+    head = torch.zeros(vocab, vocab)  # head[next, current] = logit
+    for c, (default, logits) in rows.items():
+        head[:, tid(c)] = default
+        for d, logit in logits.items():
+            head[tid(d), tid(c)] = logit
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        model.model.norm.weight.fill_(1.0)
+        model.model.embed_tokens.weight[torch.arange(vocab), torch.arange(vocab)] = 1.0
+        model.lm_head.weight[:, :vocab].copy_(head / s)
+    return model
+
+
+class LetterTask(Task):
+    """Prompt 'Q: 1+1=?\\nA:'; a completion is correct iff it equals the answer exactly."""
+
+    name = "letters"
+    max_new_tokens = 4
+
+    def __init__(self, answer: str = "a"):
+        super().__init__()
+        self.answer = answer
+
+    def _make_test(self):
+        return [Problem("Q: 1+1=?\nA:", self.answer)]
+
+    def score_problem(self, completion, problem):
+        return 1.0 if completion == problem.answer else 0.0
+
+
+def _letters(probs: dict[str, float]) -> dict:
+    """Bigram rows: after ':' one of `probs`' letters with exactly those probabilities at temperature T
+    (every other token at logit -30), then EOS (logit 40 against 0)."""
+    return {":": (-30.0, {ch: T * math.log(p) for ch, p in probs.items()}),
+            **{ch: (0.0, {"<eos>": 40.0}) for ch in "abc"}}
+
+
+# ----------------------------------------------------------------------------------------------- formulas
+
+
+def test_formulas_by_hand():
+    assert binary_entropy(0.0) == binary_entropy(1.0) == 0.0
+    assert binary_entropy(0.5) == pytest.approx(math.log(2))
+    assert js_success([0.0, 1.0]) == pytest.approx(math.log(2))
+    assert js_success([0.3, 0.3, 0.3]) == pytest.approx(0.0)
+    # h(0.4) - (h(0.2) + h(0.6)) / 2, by hand
+    def h(p):
+        return -p * math.log(p) - (1 - p) * math.log(1 - p)
+
+    assert js_success([0.2, 0.6]) == pytest.approx(h(0.4) - (h(0.2) + h(0.6)) / 2)
+    cov = coverage([0.5, 0.2], p_centre=0.3)
+    assert cov["population"] == pytest.approx(1 - 0.5 * 0.8)  # 0.6
+    assert cov["bound_rhs"] == pytest.approx(1 - 0.65 ** 2)  # 0.5775
+    assert cov["centre"] == pytest.approx(1 - 0.7 ** 2)  # 0.51
+    assert cov["holds"]
+    eq = coverage([0.4, 0.4, 0.4])
+    assert eq["population"] == pytest.approx(eq["bound_rhs"]) and eq["centre"] is None
+
+
+def test_js_from_logprobs_by_hand():
+    # two members, one sample each: y0 ~ π0 with π0(y0)=.5, π1(y0)=.25; y1 ~ π1 with π0(y1)=.1, π1(y1)=.4
+    logp = torch.log(torch.tensor([[[0.5], [0.1]], [[0.25], [0.4]]], dtype=torch.float64))  # [j, i, m]
+    r = js_from_logprobs(logp)
+    d0 = math.log(0.5 / ((0.5 + 0.25) / 2))
+    d1 = math.log(0.4 / ((0.1 + 0.4) / 2))
+    assert r["js"] == pytest.approx((d0 + d1) / 2)
+    assert r["kl"] == pytest.approx([d0, d1])
+
+    def mi(a, b):  # log 2 - H(posterior over members)
+        w = [a / (a + b), b / (a + b)]
+        return math.log(2) + sum(x * math.log(x) for x in w)
+
+    assert r["js_mi"] == pytest.approx((mi(0.5, 0.25) + mi(0.1, 0.4)) / 2)
+    assert r["se_kind"] == "pooled"
+    same = js_from_logprobs(torch.full((3, 3, 4), -7.0, dtype=torch.float64))
+    assert same["js"] == same["js_se"] == 0.0 and abs(same["js_mi"]) < 1e-12 and same["se_kind"] == "stratified"
+
+
+# ----------------------------------------------------------------------------------------- sample / score
+
+
+def test_scores_match_generate_and_a_naive_loop():
+    """Batched teacher forcing (right padding, logits / T, EOS included) = generate's processed scores
+    of the same samples (left padding) = one-prefix-at-a-time forward passes."""
+    model, tok = _small_model()
+    prompts = ["Q: 1+2=?\nA:", "Q: 12+34-5+6=?\nA:", "x"]
+    pids = encode_prompts(tok, prompts)
+    out, lps = sample_responses(model, tok, pids, 2, temperature=0.7, max_new_tokens=6, seed=3, with_logprobs=True)
+    eos = tok.eos_token_id
+    items = [(p, y) for p in range(3) for y in out[p]] + [(0, (5, 7, eos)), (2, (eos,)), (1, (9,) * 6)]
+    got = sequence_logprobs(model, pids, items, 0.7, token_budget=40)["logp"]  # small budget: several batches
+    assert got[:6].tolist() == pytest.approx([x for row in lps for x in row], abs=1e-4)
+    with torch.no_grad():
+        for k, (p, y) in enumerate(items):
+            naive = 0.0
+            for t in range(len(y)):
+                logits = model(input_ids=torch.tensor([pids[p] + list(y[:t])])).logits[0, -1]
+                naive += float((logits / 0.7).log_softmax(-1)[y[t]])
+            assert got[k] == pytest.approx(naive, abs=1e-4)
+    with pytest.raises(DeltalensError, match="temperature"):
+        sample_responses(model, tok, pids, 1, temperature=0.0, max_new_tokens=2, seed=0)
+
+
+def test_bigram_samples_follow_the_scored_distribution():
+    """Sample frequencies match the exact probabilities, and the scorer returns them (EOS included)."""
+    from deltalens.tiny.build import build_tokenizer
+
+    tok = build_tokenizer()
+    q = {"a": 0.6, "b": 0.3, "c": 0.1}
+    model = _bigram_model(tok, _letters(q))
+    pids = encode_prompts(tok, ["Q: 1+1=?\nA:"])
+    out = sample_responses(model, tok, pids, 400, temperature=T, max_new_tokens=4, seed=0)[0]
+    eos = tok.eos_token_id
+    for ch, p in q.items():
+        y = (tok.convert_tokens_to_ids(ch), eos)
+        assert abs(out.count(y) / 400 - p) < 0.07
+        assert math.exp(float(sequence_logprobs(model, pids, [(0, y)], T)["logp"][0])) == pytest.approx(p, abs=1e-5)
+    assert len(set(out)) == 3
+
+
+# --------------------------------------------------------------------------------------- known JS values
+
+
+def _exact_js(qs: list[dict[str, float]]) -> float:
+    keys = sorted({k for q in qs for k in q})
+    mix = {k: sum(q.get(k, 0.0) for q in qs) / len(qs) for k in keys}
+    def H(d):
+        return -sum(v * math.log(v) for v in d.values() if v > 0)
+
+    return H(mix) - sum(H(q) for q in qs) / len(qs)
+
+
+def test_js_of_two_known_members_matches_the_exact_value():
+    from deltalens.tiny.build import build_tokenizer
+
+    tok = build_tokenizer()
+    qa, qb = {"a": 0.6, "b": 0.3, "c": 0.1}, {"a": 0.1, "b": 0.3, "c": 0.6}
+    pop = ModelPopulation([_bigram_model(tok, _letters(qa)), _bigram_model(tok, _letters(qb))], tok)
+    task = LetterTask("a")
+    r = population_divergence(pop, task, task.test(), samples=150, temperature=T, seed=1)
+    exact = _exact_js([qa, qb])  # ≈ 0.133 nats
+    assert abs(r["js_mean"] - exact) < 4 * r["js_se"] and r["js_se"] < 0.04
+    assert abs(r["js_mi_mean"] - exact) < 4 * r["js_mi_se"] and r["js_mi_se"] < 0.02
+    assert r["coverage_centre"] is None and r["token_entropy"] is None  # no centre given
+
+
+def test_disjoint_members_give_log2_and_the_success_formulas():
+    """Member A always answers 'a' (correct), B always 'b': JS = log 2, JS_succ = log 2, population
+    covers the problem, the bound's right side is 1 - (1/2)^2, the centre (= A) has p = 1."""
+    from deltalens.tiny.build import build_tokenizer
+
+    tok = build_tokenizer()
+    a, b = _bigram_model(tok, _letters({"a": 1.0})), _bigram_model(tok, _letters({"b": 1.0}))
+    pop = ModelPopulation([a, b], tok, centre=a)
+    task = LetterTask("a")
+    r = population_divergence(pop, task, task.test(), samples=8, temperature=T, seed=0)
+    assert r["js_mean"] == pytest.approx(math.log(2), abs=1e-6)
+    assert r["js_mi_mean"] == pytest.approx(math.log(2), abs=1e-6)
+    assert r["per_prompt"][0]["p_members"] == [1.0, 0.0]
+    assert r["js_succ_mean"] == pytest.approx(math.log(2))
+    assert r["coverage_population"] == pytest.approx(1.0)
+    assert r["coverage_bound"] == {"lhs": pytest.approx(1.0), "rhs": pytest.approx(0.75), "holds": True}
+    assert r["p_centre_mean"] == 1.0 and r["coverage_centre"] == pytest.approx(1.0)
+    assert r["token_entropy"] == pytest.approx(0.0, abs=1e-4)  # a deterministic centre
+    assert r["cost"]["distinct_pairs"] == 2  # 16 samples, two distinct responses, scored once each
+
+
+def test_sigma_zero_gives_zero_js_and_a_schema_entry(rand_model_dir):
+    d = diversity_section(str(rand_model_dir), "arith", members=3, sigma=0.0, prompts=2, samples=2,
+                          max_new_tokens=6)
+    assert d["js_mean"] == pytest.approx(0.0, abs=1e-9) and abs(d["js_mean"]) <= 3 * d["js_se"] + 1e-9
+    assert d["js_mi_mean"] == pytest.approx(0.0, abs=1e-9)
+    assert d["js_succ_mean"] == 0.0
+    for key in ("sigma", "members", "prompts", "samples", "js_mean", "js_se", "js_succ_mean",
+                "coverage_population", "coverage_centre", "token_entropy", "per_prompt"):
+        assert key in d
+    assert (d["sigma"], d["members"], d["prompts"], d["samples"]) == (0.0, 3, 2, 2)
+    assert set(d["per_prompt"][0]) >= {"prompt", "js", "js_se", "js_succ", "p_members"}
+    assert len(d["per_prompt"][0]["p_members"]) == 3
+    json.dumps(d, allow_nan=False)  # plain JSON (null, not NaN)
+
+
+# ------------------------------------------------------------------------------------ reconstruction
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("antithetic", [False, True])
+def test_members_are_exactly_esengine_perturbations(antithetic):
+    from deltalens.training.es.config import ESConfig
+    from deltalens.training.es.engine import ESEngine
+
+    cfg = ESConfig(population=4, sigma=0.01, seed=7, antithetic=antithetic, params=("*", "!*norm*"))
+    model, tok = _small_model()
+    before = _state(model)
+    task = get_task("arith")
+    pop = ESPopulation(model, tok, task, cfg, iteration=3)
+    ref_model, _ = _small_model()
+    ref = ESEngine(ref_model, tok, task, cfg)
+    timing = {"noise_s": 0.0, "perturb_restore_s": 0.0}
+    for i in range(4):
+        with pop.member(i) as m:
+            ref.perturb(3, i, timing)
+            mine, theirs = _state(m), _state(ref_model)
+            ref.restore(3, i, timing)
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+        assert any(not torch.equal(mine[k], before[k]) for k in mine)
+        assert all(torch.equal(v, before[k]) for k, v in _state(model).items())  # restored bit-exactly
+        flat = torch.cat([(mine[name] - before[name]).flatten() for _, name, _ in pop.engine.params])
+        assert torch.allclose(flat, 0.01 * pop.noise(i), atol=1e-6)  # the noise the law uses is the same ε
+
+
+def test_run_population_is_the_runs_own(rand_model_dir, tmp_path):
+    """Centre = saved checkpoint (checksum verified), members = the run's next population: same seeds,
+    and re-evaluating them reproduces the rewards the run logged."""
+    from deltalens.io.runs import RunDir
+    from deltalens.training.es.config import ESConfig
+    from deltalens.training.es.train import train_es
+
+    cfg = ESConfig(model=str(rand_model_dir), task="arith", population=4, sigma=0.05, alpha=0.05,
+                   prompts_per_iteration=4, max_new_tokens=4, iterations=3, eval_every=0, checkpoint_every=2)
+    run = train_es(cfg, tmp_path / "run")
+    rows = {r["iteration"]: r for r in RunDir(run).metrics()}
+    task = get_task("arith")
+    pop, info = load_population(str(run), task, iteration=2)
+    assert (info["centre_iteration"], info["noise"]["iteration"], info["centre_checksum"]) == (2, 3, "verified")
+    assert pop.sigma == 0.05 and pop.size == 4 and not info["notes"]
+    assert pop.engine.member_seeds(3) == rows[3]["seeds"]
+    got = pop.engine.evaluate_members(3, range(4))
+    assert [got[i] for i in range(4)] == rows[3]["rewards"]
+
+    _, final = load_population(str(run), task, iteration=3)
+    assert final["centre"].endswith("final") and final["centre_checksum"] == "verified"
+    _, near = load_population(str(run), task, iteration=1)  # not saved: 0 (base) and 2 tie, the earlier wins
+    assert near["centre_iteration"] == 0 and "nearest" in near["notes"][0]
+    _, over = load_population(str(run), task, iteration=2, members=6, sigma=0.01)
+    assert "differs from the run's" in over["notes"][0]
+    with pytest.raises(DeltalensError, match="ES run directory"):
+        load_population(str(rand_model_dir), task, iteration=1)
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_writes_an_analysis_document(rand_model_dir, tmp_path):
+    import typer
+    from deltalens.cli.common import guard
+    from deltalens.cli.diversity import diversity
+    from typer.testing import CliRunner
+
+    app = typer.Typer()
+    app.command()(guard(diversity))
+    out = tmp_path / "div.json"
+    res = CliRunner().invoke(app, [str(rand_model_dir), "--task", "arith", "--members", "2", "--sigma", "0.01",
+                                   "--prompts", "1", "--samples", "2", "--max-new-tokens", "4", "--label", "rnd",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    validate(doc)  # the analysis.json contract
+    assert doc["schema_version"] == 1 and doc["base"]["path"] == str(rand_model_dir)
+    assert doc["models"][0]["label"] == "rnd" and set(doc["diversity"]) == {"rnd"}
+    assert doc["diversity"]["rnd"]["members"] == 2
+    bad = CliRunner().invoke(app, [str(rand_model_dir), "--temperature", "0", "--members", "2", "--prompts", "1"])
+    assert bad.exit_code == 2 and "temperature" in bad.output
+
+
+# ------------------------------------------------------------------------------------------ small-σ law
+
+
+@pytest.mark.slow
+def test_small_sigma_law_on_tiny():
+    """Lemma 1 on the bundled tiny model (about 1 min): JS ∝ σ², and JS = (σ²/2)(1/N) Σ_i (ε_i-ε̄)ᵀ I (ε_i-ε̄)
+    on the drawn noise, paired on the Fisher's own samples (within a few %) and from the members' own
+    samples (within the heavy-tailed sampling error); against the expectation over ε, (σ²/2)(1-1/N) tr I,
+    one draw of N = 8 scatters by tens of % (the benchmark averages draws)."""
+    from deltalens.analysis.diversity import sigma_sweep
+    from deltalens.io.models import load_model
+
+    model, tok = load_model(tiny_spec())
+    rows = sigma_sweep(model, tok, get_task("arith"), [3e-4, 1e-3], members=8, prompts=12, samples=4,
+                       fisher_samples=32)
+    for r in rows:
+        assert abs(r["ratio_paired_draw"] - 1) < max(0.1, 3 * r["ratio_paired_draw_se"]), r
+        assert 0.7 < r["js_mi_mean"] / r["js_pred_draw"] < 1.3, r
+        assert 0.5 < r["ratio_mi"] < 1.5, r
+    growth = rows[1]["js_mi_mean"] / rows[0]["js_mi_mean"]
+    assert 0.75 * (1e-3 / 3e-4) ** 2 < growth < 1.25 * (1e-3 / 3e-4) ** 2

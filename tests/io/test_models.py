@@ -1,0 +1,172 @@
+"""Loader round-trips for every model form, and clear errors (exit 2) for bad input."""
+
+import pickle
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from deltalens.errors import DeltalensError
+from deltalens.io.atomic import save_state_dict
+from deltalens.io.models import load_model
+from deltalens.io.spec import resolve
+
+
+def _same(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _perturbed(model):
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    for v in sd.values():
+        v.add_(0.01)
+    return sd
+
+
+def test_bundled_tiny_model_loads():
+    model, tok = load_model("tiny")
+    n = sum(p.numel() for p in model.parameters())
+    assert 500_000 <= n <= 3_000_000
+    names = set(model.state_dict())
+    # every parameter group the analyses talk about exists, embeddings untied
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+            "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+            "model.layers.0.mlp.down_proj.weight"} <= names
+    assert model.model.embed_tokens.weight.data_ptr() != model.lm_head.weight.data_ptr()
+    assert tok.decode(tok("Q: 1+2=?\nA:")["input_ids"]) == "Q: 1+2=?\nA:"
+
+
+def test_hf_dir_and_sharded(rand_model_dir, tmp_path):
+    base, _ = load_model(str(rand_model_dir))
+    sharded = tmp_path / "sharded"
+    base.save_pretrained(sharded, max_shard_size="20KB")
+    shutil.copy(rand_model_dir / "tokenizer.json", sharded)
+    shutil.copy(rand_model_dir / "tokenizer_config.json", sharded)
+    assert (sharded / "model.safetensors.index.json").exists()
+    again, _ = load_model(str(sharded))
+    assert _same(base, again)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_bare_weights_onto_config(rand_model_dir, tmp_path, suffix):
+    base, _ = load_model(str(rand_model_dir))
+    sd = _perturbed(base)
+    f = tmp_path / f"w{suffix}"
+    save_state_dict(sd, f)
+    model, _ = load_model(str(f), config=str(rand_model_dir))
+    assert all(torch.equal(model.state_dict()[k], sd[k]) for k in sd)
+    with pytest.raises(DeltalensError, match="--config"):
+        load_model(str(f))  # no config.json beside it
+
+
+def test_bf16_dtype(rand_model_dir):
+    model, _ = load_model(str(rand_model_dir), dtype="bf16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(DeltalensError, match="dtype"):
+        load_model(str(rand_model_dir), dtype="fp8")
+
+
+def test_gguf_smollm2(smollm2):
+    model, tok = load_model(str(smollm2))
+    assert model.config.model_type == "llama"
+    assert sum(p.numel() for p in model.parameters()) > 100e6
+    ids = tok("The capital of France is", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_bad_inputs(rand_model_dir, tmp_path):
+    with pytest.raises(DeltalensError, match="no such file"):
+        load_model(str(tmp_path / "missing.pt"))
+    evil = tmp_path / "evil.pt"
+    with open(evil, "wb") as f:
+        pickle.dump({"w": _Evil()}, f)
+    with pytest.raises(DeltalensError, match="weights_only"):
+        load_model(str(evil), config=str(rand_model_dir))
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(DeltalensError, match="corrupt.safetensors"):
+        load_model(str(corrupt), config=str(rand_model_dir))
+    wrong = tmp_path / "wrong.pt"
+    save_state_dict({"model.embed_tokens.weight": torch.zeros(3, 3)}, wrong)
+    with pytest.raises(DeltalensError, match="does not match"):
+        load_model(str(wrong), config=str(rand_model_dir))
+    base, _ = load_model(str(rand_model_dir))
+    sd = base.state_dict()
+    sd["model.norm.weight"] = torch.zeros(7)
+    shape = tmp_path / "shape.pt"
+    save_state_dict(sd, shape)
+    with pytest.raises(DeltalensError, match="shape mismatch for model.norm.weight"):
+        load_model(str(shape), config=str(rand_model_dir))
+    empty = tmp_path / "emptydir"
+    empty.mkdir()
+    with pytest.raises(DeltalensError, match="without config.json"):
+        load_model(str(empty))
+    notok = tmp_path / "notok"
+    base.save_pretrained(notok)
+    with pytest.raises(DeltalensError, match="tokenizer"):
+        load_model(str(notok))
+    assert resolve("someorg/somemodel").kind == "hub"
+
+
+def test_hub_id_offline_is_a_clear_error():
+    # a subprocess, because huggingface_hub reads HF_HUB_OFFLINE once, at import
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "deltalens.cli.main", "eval", "deltalens-test/not-a-model"],
+                       env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "deltalens-test/not-a-model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_eval_bad_input_exits_2(tmp_path):
+    from deltalens.cli.main import app
+
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "nope.pt")])
+    assert r.exit_code == 2
+    assert "no such file" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["eval", "tiny", "--k", "1,64"])
+    assert r.exit_code == 2 and "exceeds --samples" in r.output
+
+
+def test_gguf_model_can_be_saved_as_hf_checkpoint(smollm2, tmp_path):
+    """Training from the GGUF writes HF checkpoints: the dequantised model must be serialisable."""
+    model, tok = load_model(str(smollm2))
+    model.save_pretrained(tmp_path / "ck", safe_serialization=True)
+    tok.save_pretrained(tmp_path / "ck")
+    again, _ = load_model(str(tmp_path / "ck"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(again.state_dict()[name], model.state_dict()[name])
+
+
+def test_device_resolution():
+    from deltalens.io.models import resolve_device
+
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(DeltalensError, match="unknown device 'tpu'"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeltalensError, match="no CUDA GPU is visible"):
+            resolve_device("cuda:0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a CPU-only machine gives")
+def test_cli_eval_cuda_without_gpu_exits_2():
+    from deltalens.cli.main import app
+
+    r = CliRunner().invoke(app, ["eval", "tiny", "--limit", "1", "--samples", "1", "--k", "1", "--device", "cuda"])
+    assert r.exit_code == 2 and "no CUDA GPU is visible" in r.output

@@ -1,0 +1,92 @@
+"""Helpers shared by the tests (importable as `support`: pyproject's pytest `pythonpath` holds tests/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def tiny_spec() -> str:
+    """The bundled tiny model ("tiny"); DELTALENS_TEST_TINY=<dir> substitutes another (e.g. a build
+    snapshot); skips the test when neither exists."""
+    import os
+
+    from deltalens.tiny import MODEL_DIR
+
+    if (MODEL_DIR / "config.json").exists():
+        return "tiny"
+    if os.environ.get("DELTALENS_TEST_TINY"):
+        return os.environ["DELTALENS_TEST_TINY"]
+    pytest.skip("bundled tiny model missing (python -m deltalens.tiny.build)")
+
+
+def small_llama(tied: bool = False, bias: bool = False, dtype=torch.float32, seed: int = 0, hidden: int = 32,
+                layers: int = 2, heads: int = 2, kv_heads: int = 1, intermediate: int = 64):
+    """(model, tokenizer): a random-init char-level Llama of the tiny model's family, in eval mode."""
+    from transformers import LlamaForCausalLM
+
+    from deltalens.tiny.build import build_config, build_tokenizer
+
+    torch.manual_seed(seed)
+    tok = build_tokenizer()
+    cfg = build_config(len(tok), hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                       intermediate=intermediate)
+    cfg.tie_word_embeddings = tied
+    cfg.attention_bias = bias
+    cfg.mlp_bias = bias
+    model = LlamaForCausalLM(cfg).to(dtype)
+    if tied:
+        model.tie_weights()
+    model.eval()
+    return model, tok
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    """A detached copy of a model's state dict."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    """The tensors of a run's final checkpoint."""
+    from deltalens.io.tensors import load_state_dict
+
+    return load_state_dict(Path(run_dir) / "checkpoints" / "final" / "model.safetensors")
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    """Bit-identical state dicts (same names, every tensor equal)."""
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        assert torch.equal(v, b[k]), k
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+class CliResult:
+    def __init__(self, exit_code: int, output: str):
+        self.exit_code, self.output = exit_code, output
+
+    def __repr__(self):
+        return f"CliResult(exit_code={self.exit_code}, output={self.output!r})"
+
+
+def run_cli(args) -> CliResult:
+    """Run `deltalens ARGS` in-process through `deltalens.cli.main.main` (alias rewriting and the one error
+    handler included); returns the exit code and everything printed (stdout and stderr together)."""
+    import contextlib
+    import io
+
+    from deltalens.cli.main import main
+
+    buf = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return CliResult(code, buf.getvalue())

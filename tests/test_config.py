@@ -1,0 +1,54 @@
+"""deltalens.config: types, unknown keys, precedence, `needs`, budgets decided once."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltalens.config import coerce
+from deltalens.errors import DeltalensError
+from deltalens.training.es.config import ESConfig
+from deltalens.training.grpo.config import GRPOConfig
+
+
+@pytest.mark.parametrize(("value", "tp", "want"), [
+    ("a,b", tuple[str, ...], ("a", "b")), (["a"], tuple[str, ...], ("a",)), (3, float, 3.0), ("2e-3", float, 2e-3),
+    (4.0, int, 4), (None, int | None, None), ("1.5M", float | str | None, "1.5M"), (7, float | str | None, 7.0),
+])
+def test_coerce(value, tp, want):
+    assert coerce(value, tp, "x", "test") == want
+
+
+@pytest.mark.parametrize(("value", "tp"), [(True, int), (1, bool), ("x", int), (4.5, int), (None, int), ([1], str)])
+def test_coerce_refuses(value, tp):
+    with pytest.raises(DeltalensError, match="test: x must be"):
+        coerce(value, tp, "x", "test")
+
+
+def test_round_trip_and_unknown_keys():
+    cfg = ESConfig.preset("tiny", iterations=5)
+    d = cfg.to_dict()
+    assert d["method"] == "es" and d["params"] == ["*"] and ESConfig.from_dict(d) == cfg
+    with pytest.raises(DeltalensError, match="unknown es option"):
+        ESConfig.from_dict({**d, "lr": 1.0})
+    with pytest.raises(DeltalensError, match="is a 'es' config, not 'grpo'"):
+        GRPOConfig.from_dict(d)
+
+
+def test_budget_decides_the_count_once():
+    cfg = ESConfig(budget="64k", population=4, prompts_per_iteration=8)  # 2·4·8 = 64 units per iteration
+    assert (cfg.iterations, cfg.budget) == (1000, 64000.0)
+    assert ESConfig.from_dict(cfg.to_dict()) == cfg  # both stored, and they agree
+    with pytest.raises(DeltalensError, match="disagree"):
+        ESConfig(budget=6400, iterations=3, population=4, prompts_per_iteration=8)
+    assert ESConfig().iterations == 100 and GRPOConfig().steps == 100
+    g = GRPOConfig(budget=1e4, prompts_per_step=8, num_generations=8)  # 8·8·8 = 512 per step
+    assert g.steps == 19
+
+
+def test_resolve_precedence():
+    cfg = ESConfig.resolve(preset="tiny", yaml={"sigma": 0.01, "population": 8}, given={"population": 6})
+    assert (cfg.alpha, cfg.sigma, cfg.population) == (ESConfig.preset("tiny").alpha, 0.01, 6)
+    stored = ESConfig(budget=6400, population=4, prompts_per_iteration=8).to_dict()
+    del stored["method"]
+    grown = ESConfig.resolve(stored=stored, given={"iterations": 150})  # an explicit count replaces the budget
+    assert (grown.iterations, grown.budget) == (150, None)

@@ -1,0 +1,377 @@
+"""VLLMBackend and VLLMESBackend against a fake `vllm` module (no real vLLM, no GPU).
+
+The fake `LLM` records its arguments; its `generate` either follows a script or, by default, runs the HF
+model on the weights the fake "vLLM worker" holds in the fused layout (so ES through the worker
+extension can be compared with the in-process ES backend bit for bit).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
+
+import pytest
+import torch
+
+from deltalens.errors import DeltalensError
+from deltalens.generation import HFBackend, SamplingParams
+from deltalens.generation.vllm import MISSING_VLLM, VLLMBackend
+
+
+def _need_tiny():
+    from deltalens.tiny import MODEL_DIR
+
+    if not (MODEL_DIR / "config.json").exists():
+        pytest.skip("bundled tiny model missing (python -m deltalens.tiny.build)")
+    return MODEL_DIR
+
+
+# ---------------------------------------------------------------------------------------------
+# the fake vllm module
+
+
+class FakeSamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class FakeVllmModel:
+    """What the worker sees as `model_runner.model`: named_parameters() in vLLM's fused layout."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        self.params = params
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
+class FakeLLM:
+    instances: ClassVar[list] = []
+    script = None  # callable(prompt_token_ids, sampling_params) -> list of (index, token ids)
+    fail = None
+
+    def __init__(self, **kw):
+        if FakeLLM.fail:
+            raise FakeLLM.fail
+        from deltalens.generation.vllm_layout import fuse
+        from deltalens.io.models import load_model
+
+        self.kw = kw
+        self.calls = []
+        FakeLLM.instances.append(self)
+        dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[kw["dtype"]]
+        self.hf, self.tok = load_model(kw["model"], dtype=dtype)
+        self.fused = fuse({k: v.clone() for k, v in self.hf.state_dict().items()}, self.hf.config)
+        self.worker = None
+        if kw.get("worker_extension_cls"):
+            module, name = kw["worker_extension_cls"].rsplit(".", 1)
+            ext = getattr(importlib.import_module(module), name)
+            self.worker = type("FakeWorker", (ext,), {})()
+            self.worker.model_runner = SimpleNamespace(model=FakeVllmModel(self.fused))
+        self.prefix_resets = 0
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self):
+        self.prefix_resets += 1
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        from deltalens.generation.vllm_layout import unfuse
+        from deltalens.io.models import apply_state_dict
+
+        self.calls.append((prompts, sampling_params))
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        eos = self.tok.eos_token_id
+        if FakeLLM.script is not None:
+            return [SimpleNamespace(outputs=[SimpleNamespace(index=j, token_ids=ids)
+                                             for j, ids in FakeLLM.script(p["prompt_token_ids"], sp)])
+                    for p, sp in zip(prompts, sps)]
+        # run the HF model on the fused weights the worker holds
+        apply_state_dict(self.hf, unfuse(self.fused, self.hf.config), source="fake vLLM weights")
+        sp = sps[0]
+        params = SamplingParams(n=sp.n, temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_tokens,
+                                seed=sp.seed or 0)
+        texts = [self.tok.decode(p["prompt_token_ids"]) for p in prompts]
+        comps = HFBackend(self.hf, self.tok).generate(texts, params)
+        return [SimpleNamespace(outputs=[SimpleNamespace(index=j, token_ids=self.tok(c, add_special_tokens=False)
+                                                         ["input_ids"] + [eos]) for j, c in enumerate(cs)])
+                for cs in comps]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    mod = types.ModuleType("vllm")
+    mod.LLM = FakeLLM
+    mod.SamplingParams = FakeSamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    FakeLLM.instances, FakeLLM.script, FakeLLM.fail = [], None, None
+    yield mod
+    FakeLLM.instances, FakeLLM.script, FakeLLM.fail = [], None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# without vLLM
+
+
+def test_missing_vllm_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    assert MISSING_VLLM == "the vllm backend needs vLLM: pip install 'deltalens[vllm]' (GPU machines only)"
+    with pytest.raises(DeltalensError) as e:
+        VLLMBackend.from_spec("tiny")
+    assert str(e.value) == MISSING_VLLM
+    with pytest.raises(DeltalensError, match="needs vLLM"):
+        VLLMBackend(None, None).sampling_params(SamplingParams())
+
+
+def test_module_does_not_import_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    import deltalens.generation.vllm as gv
+    import deltalens.generation.vllm_layout as vl
+    import deltalens.training.es.backends.vllm as vb
+
+    importlib.reload(vl)
+    importlib.reload(gv)
+    importlib.reload(vb)  # would raise if it imported vllm at module level
+
+
+# ---------------------------------------------------------------------------------------------
+# construction and sampling-parameter mapping
+
+
+def test_from_spec_arguments(fake_vllm):
+    model_dir = _need_tiny()
+    be = VLLMBackend.from_spec("tiny", dtype="bf16", gpu_memory_utilization=0.5, seed=3, max_model_len=200,
+                               enforce_eager=True)
+    llm = FakeLLM.instances[-1]
+    assert llm.kw == {"model": str(model_dir), "tokenizer": str(model_dir), "dtype": "bfloat16",
+                      "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1, "seed": 3, "enforce_eager": True,
+                      "max_model_len": 200}
+    assert be.llm is llm and be.tok.padding_side == "left"
+    from deltalens.training.es.backends.vllm import EXTENSION
+
+    VLLMBackend.from_spec("tiny", worker_extension_cls=EXTENSION, enable_prefix_caching=False, swap_space=1)
+    kw = FakeLLM.instances[-1].kw
+    assert kw["worker_extension_cls"] == "deltalens.training.es.backends.vllm.ESWorkerExtension" and kw["enable_prefix_caching"] is False and kw["swap_space"] == 1
+    assert kw["dtype"] == "float32"  # deltalens's default dtype
+    with pytest.raises(DeltalensError, match="unknown dtype"):
+        VLLMBackend.from_spec("tiny", dtype="int8")
+
+
+def test_from_spec_wraps_vllm_errors(fake_vllm):
+    _need_tiny()
+    FakeLLM.fail = ValueError("No supported attention backend\nmore")
+    with pytest.raises(DeltalensError, match=r"vLLM could not load tiny \(ValueError: No supported attention"):
+        VLLMBackend.from_spec("tiny")
+
+
+def test_from_model_saves_a_temporary_dir(fake_vllm):
+    _need_tiny()
+    from deltalens.io.models import load_model
+
+    model, tok = load_model("tiny")
+    be = VLLMBackend.from_model(model, tok, gpu_memory_utilization=0.3)
+    kw = FakeLLM.instances[-1].kw
+    tmp = Path(kw["model"])
+    assert tmp.name.startswith("deltalens-vllm-") and (tmp / "config.json").exists()
+    assert kw["dtype"] == "float32" and kw["gpu_memory_utilization"] == 0.3
+    be.close()
+    assert not tmp.exists() and be.llm is None
+    with pytest.raises(DeltalensError, match="closed"):
+        be.generate(["Q: 1+1=?\nA:"], SamplingParams())
+
+
+def _scripted(prompt_ids, sp):
+    """n outputs per prompt, in reverse index order; sample j is the digits of j, then EOS, then junk."""
+    enc = FakeLLM.instances[-1].tok
+    eos = enc.eos_token_id
+    return [(j, enc(str(j), add_special_tokens=False)["input_ids"] + [eos] + enc("9", add_special_tokens=False)
+             ["input_ids"]) for j in reversed(range(sp.n))]
+
+
+def test_generate_maps_sampling_params(fake_vllm):
+    _need_tiny()
+    be = VLLMBackend.from_spec("tiny")
+    FakeLLM.script = _scripted
+    prompts = ["Q: 1+2=?\nA:", "Q: 30-4=?\nA:", "Q: 7+7+7=?\nA:"]
+    ticks = []
+    out = be.generate(prompts, SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=12, seed=5),
+                      progress=ticks.append)
+    assert out == [["0", "1", "2", "3"]] * 3  # sorted by sample index, cut at EOS
+    reqs, sps = FakeLLM.instances[-1].calls[-1]
+    assert len(FakeLLM.instances[-1].calls) == 1  # all prompts in one batched call
+    assert [r["prompt_token_ids"] for r in reqs] == [be.tok(p)["input_ids"] for p in prompts]
+    assert [sp.kw for sp in sps] == [{"n": 4, "temperature": 0.7, "top_p": 0.9, "max_tokens": 12, "seed": 5 + i,
+                                      "detokenize": False, "stop_token_ids": [be.tok.eos_token_id]}
+                                     for i in range(3)]
+    assert ticks == [12]
+    st = be.last_stats
+    assert st["sequences"] == 12 and st["prompts"] == 3
+    assert st["prompt_tokens"] == sum(len(r["prompt_token_ids"]) for r in reqs)
+    assert st["completion_tokens"] == sum(len(ids) for i in range(4) for ids in [_scripted(None, sps[0])[i][1]]) * 3
+
+
+def test_generate_greedy_and_chunks(fake_vllm):
+    _need_tiny()
+    be = VLLMBackend.from_spec("tiny", max_prompts=2)
+    FakeLLM.script = _scripted
+    ticks = []
+    out = be.generate(["a", "b", "c"], SamplingParams(n=1, temperature=0.0, top_p=0.5, max_new_tokens=3, seed=9),
+                      progress=ticks.append)
+    assert out == [["0"]] * 3 and ticks == [2, 1]
+    calls = FakeLLM.instances[-1].calls
+    assert len(calls) == 2
+    sp = calls[0][1]
+    assert not isinstance(sp, list)  # one SamplingParams for all greedy requests
+    assert sp.kw == {"n": 1, "temperature": 0.0, "top_p": 1.0, "max_tokens": 3, "seed": None, "detokenize": False,
+                     "stop_token_ids": [be.tok.eos_token_id]}
+
+
+def test_chat_template_like_hf(fake_vllm):
+    _need_tiny()
+    be = VLLMBackend.from_spec("tiny", chat_template=True)
+    be.tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}A{% endif %}"
+    FakeLLM.script = _scripted
+    be.generate(["Q: 1+1=?"], SamplingParams(n=1, temperature=0.0))
+    reqs, _ = FakeLLM.instances[-1].calls[-1]
+    hf = HFBackend(be.llm.hf, be.tok, chat_template=True)
+    want = be.tok(hf.format("Q: 1+1=?"), add_special_tokens=False)["input_ids"]
+    assert reqs[0]["prompt_token_ids"] == want == be.tok("<Q: 1+1=?>A", add_special_tokens=False)["input_ids"]
+
+
+def test_repetition_penalty_from_generation_config(fake_vllm, tmp_path):
+    _need_tiny()
+    import json
+    import shutil
+
+    from deltalens.tiny import MODEL_DIR
+
+    d = tmp_path / "m"
+    shutil.copytree(MODEL_DIR, d)
+    gc = json.loads((d / "generation_config.json").read_text())
+    gc["repetition_penalty"] = 1.05
+    (d / "generation_config.json").write_text(json.dumps(gc))
+    be = VLLMBackend.from_spec(str(d))
+    assert be.sampling_params(SamplingParams()).kw["repetition_penalty"] == 1.05
+    assert "repetition_penalty" not in VLLMBackend.from_spec("tiny").sampling_params(SamplingParams()).kw
+
+
+def test_evaluate_through_vllm_backend_equals_hf(fake_vllm):
+    """deltalens.evaluation.evaluate with the vLLM backend (fake engine running the same HF weights) gives
+    the HF backend's numbers: the backend adds no change of its own to prompts or completions."""
+    _need_tiny()
+    from deltalens.evaluation import evaluate
+    from deltalens.io.models import load_model
+    from deltalens.tasks import get_task
+
+    task = get_task("arith")
+    model, tok = load_model("tiny")
+    be = VLLMBackend.from_spec("tiny")
+    kw = {"samples": 1, "ks": [1], "temperature": 0.0, "limit": 12, "max_new_tokens": 24}
+    r_v = evaluate(model, tok, task, backend=be, **kw)
+    r_h = evaluate(model, tok, task, backend=HFBackend(model, tok), **kw)
+    assert r_v["pass_at_k"] == r_h["pass_at_k"] and r_v["mean_reward"] == r_h["mean_reward"]
+    assert [p["majority"] for p in r_v["per_problem"]] == [p["majority"] for p in r_h["per_problem"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# ES through the worker extension
+
+
+def _es_config(**kw):
+    from deltalens.training.es.config import ESConfig
+
+    return ESConfig(**{"population": 4, "prompts_per_iteration": 8, "sigma": 0.05, "alpha": 0.005,
+                       "eval_every": 0, "checkpoint_every": 2, "iterations": 3, "max_new_tokens": 16,
+                       "noise_threads": 1, **kw})
+
+
+def _engine(cfg):
+    from deltalens.io.models import load_model
+    from deltalens.training.es.engine import ESEngine
+    from deltalens.training.run import make_task
+
+    model, tok = load_model(cfg.model, dtype=cfg.dtype)
+    return ESEngine(model, tok, make_task(cfg), cfg)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"antithetic": True, "restore": "subtract", "params": ("*.mlp.*",),
+                                       "sigma": 0.1}])
+def test_es_through_vllm_extension_equals_local(fake_vllm, overrides):
+    """ES iterations with VLLMESBackend (weights perturbed/updated in the fused layout inside the fake
+    worker) give the rewards and the weight checksums of the in-process backend, bit for bit."""
+    _need_tiny()
+    from deltalens.training.es.backends import LocalBackend
+    from deltalens.training.es.backends.vllm import EXTENSION, VLLMESBackend
+    from deltalens.training.es.train import _iteration
+
+    cfg = _es_config(**overrides)
+    ref = _engine(cfg)
+    local = LocalBackend(ref)
+    engine = _engine(cfg)
+    backend = VLLMESBackend(engine, "tiny", gpu_memory_utilization=0.4)
+    llm = FakeLLM.instances[-1]
+    assert llm.kw["worker_extension_cls"] == EXTENSION and llm.kw["enable_prefix_caching"] is False
+    assert llm.kw["dtype"] == "float32" and llm.kw["seed"] == cfg.seed
+    assert engine.generator is backend.generator
+    moved, stale, last = 0, False, engine.checksum()
+    for it in range(1, cfg.iterations + 1):
+        row_ref = _iteration(ref, local, it)
+        row = _iteration(engine, backend, it)
+        assert row["rewards"] == row_ref["rewards"], it
+        assert row["checksum"] == row_ref["checksum"], it
+        assert row["update_rms"] == pytest.approx(row_ref["update_rms"], rel=1e-12)
+        assert row["seeds"] == row_ref["seeds"]
+        # the driver's HF model is refreshed at checkpoint iterations (2) and at the last one (3) only
+        changed = row["checksum"] != last  # (restore=subtract also moves weights: it is not exact)
+        last = row["checksum"]
+        moved += row["update_rms"] > 0
+        stale = (stale or changed) and it not in (2, 3)
+        assert (engine.checksum() == row["checksum"]) == (not stale), it
+    assert moved >= 1  # at least one update moved the weights (rewards differed between members)
+    assert llm.prefix_resets >= cfg.population * 2
+    assert torch.equal(engine.model.model.layers[0].mlp.up_proj.weight, ref.model.model.layers[0].mlp.up_proj.weight)
+    backend.close()
+    assert backend.llm is None
+
+
+def test_es_backend_rejects_weight_mismatch(fake_vllm):
+    _need_tiny()
+    from deltalens.training.es.backends.vllm import VLLMESBackend
+
+    engine = _engine(_es_config())
+    with torch.no_grad():
+        engine.model.model.norm.weight.add_(1.0)  # the driver's weights differ from what "vLLM" loads
+    with pytest.raises(DeltalensError, match="vLLM loaded different weights"):
+        VLLMESBackend(engine, "tiny")
+
+
+def test_es_backend_rejects_unsupported_architecture(fake_vllm):
+    _need_tiny()
+    from deltalens.training.es.backends.vllm import VLLMESBackend
+
+    engine = _engine(_es_config())
+    engine.model.config.model_type = "gpt2"
+    with pytest.raises(DeltalensError, match="supports llama, qwen2"):
+        VLLMESBackend(engine, "tiny")
+    assert not FakeLLM.instances  # refused before any engine was started
+
+
+def test_es_backend_sync_always_and_bad_option(fake_vllm):
+    _need_tiny()
+    from deltalens.training.es.backends.vllm import VLLMESBackend
+    from deltalens.training.es.train import _iteration
+
+    engine = _engine(_es_config(iterations=5, checkpoint_every=0))
+    with pytest.raises(DeltalensError, match="sync must be"):
+        VLLMESBackend(engine, "tiny", sync="sometimes")
+    backend = VLLMESBackend(engine, "tiny", sync="always")
+    row = _iteration(engine, backend, 1)
+    assert engine.checksum() == row["checksum"]
+    backend.close()
