@@ -69,6 +69,7 @@ class Config:
     that `budget` decides: ES iterations, GRPO steps)."""
 
     METHOD: ClassVar[str] = ""
+    NAME: ClassVar[str] = ""  # for messages: ES, GRPO, chain
     PRESETS: ClassVar[dict[str, dict]] = {"paper": {}}
     COUNT: ClassVar[str | None] = None
 
@@ -121,7 +122,7 @@ class Config:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise DeltalensError(f"{source}: unknown {cls.METHOD} option(s) {', '.join(map(repr, unknown))}; "
+            raise DeltalensError(f"{source}: unknown {cls.NAME} option(s) {', '.join(map(repr, unknown))}; "
                                  f"known: {', '.join(sorted(names))}")
         types = cls.types()
         return {k: coerce(v, types[k], k, source) for k, v in d.items()}
@@ -135,7 +136,7 @@ class Config:
     @classmethod
     def preset_values(cls, name: str) -> dict:
         if name not in cls.PRESETS:
-            raise DeltalensError(f"unknown {cls.METHOD} preset {name!r}; use one of {', '.join(cls.PRESETS)}")
+            raise DeltalensError(f"unknown {cls.NAME} preset {name!r}; use one of {', '.join(cls.PRESETS)}")
         return dict(cls.PRESETS[name])
 
     @classmethod

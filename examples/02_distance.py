@@ -22,8 +22,8 @@ def diffs(args, s, seed, methods=("es", "grpo")):
     from deltalens.io.spec import resolve
 
     runs = [C.ensure_run(args.runs, m, seed, s, args.quick, model=args.model)[0] for m in methods]
-    base = resolve(args.model)[1]
-    return diff_checkpoints(base, [resolve(str(r))[1] for r in runs], list(methods), progress=False)
+    base = resolve(args.model).location
+    return diff_checkpoints(base, [resolve(str(r)).location for r in runs], list(methods), progress=False)
 
 
 def main(argv=None) -> dict:

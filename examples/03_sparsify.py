@@ -32,7 +32,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     s = C.settings(args)
     targets = [float(x) for x in args.targets.split(",")] if not args.quick else [0.5, 0.9]
-    base = str(resolve(args.model)[1])
+    base = str(resolve(args.model).location)
     cache: dict = {}
     per, rows = {}, []
     for seed in C.seeds_of(args):
@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
             sec = C.eval_cached(args.runs, f"sparsify-{run.name}-{args.task}-{s['limit']}-{s['samples']}-"
                                 + "_".join(map(str, targets)),
                                 lambda run=run, m=m, fn=evaluate_fn: sparsify_sweep(
-                                    base, str(resolve(str(run))[1]), [], fn, sparsities=targets, label=m,
+                                    base, str(resolve(str(run)).location), [], fn, sparsities=targets, label=m,
                                     task=args.task))
             per.setdefault(seed, {})[m] = sec[m]
             ks = [str(k) for k in sec[m]["ks"]]

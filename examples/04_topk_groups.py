@@ -49,11 +49,11 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     s = C.settings(args)
     methods = [m for m in args.methods.split(",") if m]
-    base = resolve(args.model)[1]
+    base = resolve(args.model).location
     per, total = {}, {}
     for seed in C.seeds_of(args):
         runs = [C.ensure_run(args.runs, m, seed, s, args.quick, model=args.model)[0] for m in methods]
-        d = diff_checkpoints(base, [resolve(str(r))[1] for r in runs], methods, progress=False)["diff"]
+        d = diff_checkpoints(base, [resolve(str(r)).location for r in runs], methods, progress=False)["diff"]
         per[seed] = {m: composition_rows(d[m], m) for m in methods}
         for m in methods:
             t = total.setdefault(m, {"abs": {}, "rel": {}, "param_share": per[seed][m]["param_share"]})

@@ -29,7 +29,7 @@ def base_in(dtype: str, runs: Path, model: str) -> Path:
     from deltalens.io.spec import resolve
 
     if dtype == "fp32":
-        return Path(resolve(model)[1])
+        return Path(resolve(model).location)
     out = Path(runs) / f"base-{dtype}"
     if not (out / "config.json").exists():
         m, tok = load_model(model, dtype=dtype)
@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
             base = base_in(dt, args.runs, args.model)
             for m in methods:
                 run, secs = C.ensure_run(args.runs, m, seed, s, args.quick, model=args.model, dtype=dt)
-                d = diff_checkpoints(base, [resolve(str(run))[1]], [m], progress=False)["diff"][m]
+                d = diff_checkpoints(base, [resolve(str(run)).location], [m], progress=False)["diff"][m]
                 ev = C.eval_cached(args.runs, f"{run.name}-{args.task}-{s['limit']}-{s['samples']}",
                                    lambda run=run: C.evaluate_spec(run, args.task, s))
                 r = {"seed": seed, "dtype": dt, "method": m, "run": str(run), "train_s": secs,

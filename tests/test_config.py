@@ -28,7 +28,7 @@ def test_round_trip_and_unknown_keys():
     cfg = ESConfig.preset("tiny", iterations=5)
     d = cfg.to_dict()
     assert d["method"] == "es" and d["params"] == ["*"] and ESConfig.from_dict(d) == cfg
-    with pytest.raises(DeltalensError, match="unknown es option"):
+    with pytest.raises(DeltalensError, match="unknown ES option"):
         ESConfig.from_dict({**d, "lr": 1.0})
     with pytest.raises(DeltalensError, match="is a 'es' config, not 'grpo'"):
         GRPOConfig.from_dict(d)

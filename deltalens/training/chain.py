@@ -63,6 +63,7 @@ class ChainConfig(Config):
     """A chain of ES / GRPO stages (see module docstring)."""
 
     METHOD: ClassVar[str] = "chain"
+    NAME: ClassVar[str] = "chain"
 
     methods: tuple[str, ...] = option(("es", "grpo"), "stages in order, comma-separated: es,grpo (ES->GRPO) or "
                                       "grpo,es")

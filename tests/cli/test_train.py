@@ -180,7 +180,7 @@ def test_each_stage_option_reaches_its_stage(method, field, captured, tmp_path):
     (["train", "grpo", "--budget", "1e6", "--steps", "3"], "either --budget or --steps"),
     (["train", "chain", "--budget", "1e6", "--es-iterations", "3"], "either --budget or --es-iterations"),
     (["train", "es", "--population", "abc"], "population"),
-    (["train", "es", "--preset", "nope"], "unknown es preset 'nope'"),
+    (["train", "es", "--preset", "nope"], "unknown ES preset 'nope'"),
 ])
 def test_refusals_are_one_line_and_write_nothing(args, message, tmp_path):
     out = tmp_path / "run"
@@ -201,7 +201,7 @@ def test_yaml_supplies_values_and_flags_override(captured, tmp_path):
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("sigmaa: 0.1\n", "unknown es option(s) 'sigmaa'"),
+    ("sigmaa: 0.1\n", "unknown ES option(s) 'sigmaa'"),
     ("population: many\n", "population must be an integer"),
     ("antithetic: 1\n", "antithetic must be true or false"),
     ("- 1\n- 2\n", "must be a mapping"),
@@ -286,6 +286,6 @@ def test_resume_reads_the_method_from_the_run(tmp_path, monkeypatch):
     r = run_cli(["train", "resume", run, "--steps", "300"])
     assert r.exit_code == 0 and seen["config"].steps == 300
     r = run_cli(["train", "resume", run, "--iterations", "3"])
-    assert r.exit_code == 2 and "unknown grpo option(s) 'iterations'" in r.output
+    assert r.exit_code == 2 and "unknown GRPO option(s) 'iterations'" in r.output
     r = run_cli(["train", "es", "--resume", run])
     assert r.exit_code == 2 and "is a grpo run" in r.output

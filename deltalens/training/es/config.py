@@ -25,6 +25,7 @@ class ESConfig(Config):
     """Hyperparameters of an ES run (deltalens.training.es; arXiv 2509.24372 as used by arXiv 2608.27351)."""
 
     METHOD: ClassVar[str] = "es"
+    NAME: ClassVar[str] = "ES"
     COUNT: ClassVar[str] = "iterations"
 
     model: str = option("tiny", "model spec: tiny, smollm2, HF dir, run dir, .gguf, hub id", trajectory=True)

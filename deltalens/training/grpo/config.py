@@ -28,6 +28,7 @@ class GRPOConfig(Config):
     """Hyperparameters of a GRPO run (TRL GRPOConfig style: one help line per field)."""
 
     METHOD: ClassVar[str] = "grpo"
+    NAME: ClassVar[str] = "GRPO"
     COUNT: ClassVar[str] = "steps"
 
     model: str = option("tiny", "base model spec (tiny, smollm2, HF dir, run dir, .gguf, hub id); the "

@@ -161,7 +161,7 @@ def test_blocks_and_threads_give_identical_results(monkeypatch):
     """Large tensors are cut into noise blocks; a thread pool over blocks changes nothing."""
     monkeypatch.setattr("deltalens.training.es.engine.CHUNK", 1000)
     monkeypatch.setattr("deltalens.training.es.engine.PARALLEL_MIN", 0)
-    weights = []
+    results = []
     for threads in (1, 3):
         eng = _engine(noise_threads=threads)
         assert (eng._pool is None) == (threads == 1)
@@ -173,9 +173,9 @@ def test_blocks_and_threads_give_identical_results(monkeypatch):
         eng.restore(1, 1, timing)
         assert_same_weights(before, weights(eng.model))
         eng.update(1, [1.0, -0.5, 0.25, -0.75])
-        weights.append(weights(eng.model))
+        results.append(weights(eng.model))
         eng.close()
-    assert_same_weights(*weights)
+    assert_same_weights(*results)
 
 
 # ---------------------------------------------------------------------------- training runs

@@ -102,7 +102,7 @@ def test_old_configs_load_with_defaults_and_new_fields_are_stored():
     d = ESConfig(noise="lowrank", rank=3, population_batch=4).to_dict()
     assert (d["noise"], d["rank"], d["population_batch"]) == ("lowrank", 3, 4)
     assert ESConfig.from_dict(json.loads(json.dumps(d))).rank == 3
-    assert {"noise", "rank", "population_batch"} <= set(ESConfig.TRAJECTORY)
+    assert {"noise", "rank", "population_batch"} <= set(ESConfig.trajectory_fields())
 
 
 # ---------------------------------------------------------------------------- low-rank noise

@@ -87,8 +87,10 @@ def test_presets_and_roundtrip():
     assert GRPOConfig.from_dict({**d, "deltalens_version": "x"}) == tiny
     with pytest.raises(DeltalensError, match="unknown GRPO preset"):
         GRPOConfig.preset("huge")
-    with pytest.raises(DeltalensError, match="unknown GRPO fields"):
+    with pytest.raises(DeltalensError, match="is a 'es' config, not 'grpo'"):
         GRPOConfig.from_dict({"method": "es", "sigma": 0.1})
+    with pytest.raises(DeltalensError, match="unknown GRPO option"):
+        GRPOConfig.from_dict({"method": "grpo", "sigma": 0.1})
 
 
 def test_prompts_are_a_function_of_seed_and_step():
