@@ -25,7 +25,8 @@ from deltalens.errors import DeltalensError
 console = Console(stderr=True)
 
 # ---- shared options
-Task = Annotated[str, typer.Option("--task", "-t", help="task: arith, arith-long, arith-big, countdown, gsm8k, jsonl")]
+Task = Annotated[str | None, typer.Option("--task", "-t", help="task spec: arith, add:digits=2,terms=3, countdown, "
+                                         "gsm8k, jsonl, ... (default: the model's own, else arith)")]
 Data = Annotated[str | None, typer.Option("--data", help="jsonl file or directory (gsm8k, jsonl tasks)")]
 QuestionField = Annotated[str, typer.Option("--question-field", help="jsonl task: question field name")]
 AnswerField = Annotated[str, typer.Option("--answer-field", help="jsonl task: answer field name")]
@@ -40,8 +41,9 @@ JsonOut = Annotated[Path | None, typer.Option("--json", help="write results as J
 MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="generation budget (default: task's)")]
 Backend = Annotated[str, typer.Option("--backend", help="generation backend: hf, or vllm on GPUs (pip install 'deltalens[vllm]')")]
 Device = Annotated[str, typer.Option("--device", help="where the HF backend runs the model: cpu, cuda, cuda:N, auto")]
-ChatTemplate = Annotated[bool, typer.Option("--chat-template/--no-chat-template",
-                                            help="wrap prompts in the tokenizer's chat template")]
+ChatTemplate = Annotated[str, typer.Option("--chat-template", help="prompts through the tokenizer's chat template: "
+                                           "auto (when it has one), on, off")]
+Split = Annotated[str, typer.Option("--split", help="problems to use: test (reports) or validation (tuning)")]
 
 
 def guard(fn):

@@ -145,7 +145,7 @@ def sparsify_cmd(
     base: BaseOpt = "tiny",
     thresholds: Thresholds = "2.5e-4,5e-4",
     sparsity: Sparsity = "0.5,0.9",
-    task: c.Task = "arith",
+    task: c.Task = None,
     samples: c.Samples = 32,
     k: c.Ks = "1,16,32",
     temperature: c.Temperature = 0.6,
@@ -154,12 +154,15 @@ def sparsify_cmd(
     out: OutDir = None,
     json_out: c.JsonOut = None,
     label: Label = None,
+    chat_template: c.ChatTemplate = "auto",
 ):
     """Reset small weight changes (0 < |Δ| <= τ) to the base and measure how much Pass@K gain survives."""
     from deltalens.analysis.sparsify import sparsify_analysis
     from deltalens.io.atomic import write_json_atomic
+    from deltalens.presets import default_task
 
     taus, targets, ks = _floats(thresholds, "thresholds"), _floats(sparsity, "sparsity"), _ints(k, "k")
+    task = task or default_task(base)
 
     cache: dict = {}  # one loaded model shared by every evaluation of the sweep
 
@@ -167,7 +170,7 @@ def sparsify_cmd(
         from deltalens.evaluation import evaluate_state_dict
 
         return evaluate_state_dict(base, state_dict, task, samples=samples, ks=ks, temperature=temperature,
-                                   limit=limit, seed=seed, model_cache=cache)
+                                   limit=limit, seed=seed, model_cache=cache, chat_template=chat_template)
 
     doc = sparsify_analysis(base, ckpt, taus, evaluate, sparsities=targets, label=label, task=task,
                             out_dir=out)

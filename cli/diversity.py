@@ -17,7 +17,7 @@ from . import common as c
 
 def diversity(
     model: Annotated[str, typer.Argument(help="model (tiny, HF dir, checkpoint) or an ES run directory")],
-    task: c.Task = "arith",
+    task: c.Task = None,
     members: Annotated[int | None, typer.Option(
         "--members", "-N", help="population size N (default: the run's with --iteration, else 32)")] = None,
     sigma: Annotated[float | None, typer.Option(
@@ -41,13 +41,15 @@ def diversity(
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32, bf16, fp16 (default: the run's, else fp32)")
                      ] = None,
     json_out: c.JsonOut = None,
+    chat_template: c.ChatTemplate = "auto",
 ):
     """Population diversity: JS across members (± standard error), JS of success, coverage vs centre."""
     from deltalens.analysis.diversity import diversity_analysis
     from deltalens.io.atomic import write_json_atomic
+    from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
-    t = get_task(task, data=data, question_field=question_field, answer_field=answer_field)
+    t = get_task(task or default_task(model), data=data, question_field=question_field, answer_field=answer_field)
     sigmas = c.parse_floats(sweep, "--sweep") if sweep else None
     with c.progress_bar() as bar:
         tid = bar.add_task("diversity", total=None)
@@ -58,7 +60,7 @@ def diversity(
         doc = diversity_analysis(model, t, label=label, members=members, sigma=sigma, iteration=iteration,
                                  prompts=prompts, samples=samples, temperature=temperature, seed=seed,
                                  sweep=sigmas, fisher_samples=fisher_samples, max_new_tokens=max_new_tokens,
-                                 dtype=dtype, progress=progress)
+                                 dtype=dtype, progress=progress, chat_template=chat_template)
     lbl, d = next(iter(doc["diversity"].items()))
     c.console.print(_summary(lbl, d))
     if d.get("sigma_sweep"):

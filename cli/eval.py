@@ -12,7 +12,7 @@ from . import common as c
 
 def eval_cmd(
     models: Annotated[list[str], typer.Argument(help="models: tiny, smollm2, HF dir, run dir, hub id, .gguf, .pt, .safetensors")],
-    task: c.Task = "arith",
+    task: c.Task = None,
     samples: c.Samples = 32,
     k: c.Ks = "1,16,32",
     temperature: c.Temperature = 0.6,
@@ -27,15 +27,17 @@ def eval_cmd(
     max_new_tokens: c.MaxNewTokens = None,
     seed: c.Seed = 0,
     backend: c.Backend = "hf",
-    chat_template: c.ChatTemplate = False,
+    chat_template: c.ChatTemplate = "auto",
+    split: c.Split = "test",
     device: c.Device = "auto",
 ):
     """Evaluate Pass@K and Maj@K (unbiased estimator, n samples per problem) and print a table."""
     from deltalens.evaluation import evaluate_models
     from deltalens.io.atomic import write_json_atomic
+    from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
-    t = get_task(task, data=data, question_field=question_field, answer_field=answer_field)
+    t = get_task(task or default_task(models[0]), data=data, question_field=question_field, answer_field=answer_field)
     with c.progress_bar() as bar:
         def factory(lbl, total):
             tid = bar.add_task(f"eval {lbl}", total=total)
@@ -43,10 +45,11 @@ def eval_cmd(
 
         result = evaluate_models(models, t, labels=label, config=config, dtype=dtype, samples=samples, ks=k,
                                  temperature=temperature, limit=limit, max_new_tokens=max_new_tokens,
-                                 seed=seed, backend=backend, chat_template=chat_template, device=device,
+                                 seed=seed, backend=backend, chat_template=chat_template, device=device, split=split,
                                  progress_factory=factory)
     first = next(iter(result["evals"].values()))
-    table = Table(title=f"{t.name}: {first['n_problems']} problems x {samples} samples, T={temperature}")
+    table = Table(title=f"{t.name} ({split}): {first['n_problems']} problems x {samples} samples, T={temperature}"
+                        f"{', chat template' if first.get('chat_template') else ''}")
     table.add_column("model")
     ks = list(first["pass_at_k"])
     for kk in ks:
@@ -54,10 +57,11 @@ def eval_cmd(
     for kk in ks:
         table.add_column(f"Maj@{kk}", justify="right")
     table.add_column("reward", justify="right")
+    table.add_column("format", justify="right")
     table.add_column("gen s", justify="right")
     for lbl, r in result["evals"].items():
         table.add_row(lbl, *[f"{r['pass_at_k'][x]:.3f}" for x in ks], *[f"{r['maj_at_k'][x]:.3f}" for x in ks],
-                      f"{r['mean_reward']:.3f}", f"{r['timing']['generate_s']:.1f}")
+                      f"{r['mean_reward']:.3f}", f"{r['format_rate']:.2f}", f"{r['timing']['generate_s']:.1f}")
     c.console.print(table)
     if json_out is not None:
         write_json_atomic(result, json_out)

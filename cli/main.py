@@ -15,6 +15,7 @@ from .demo import demo
 from .diff import diff_cmd, sparsify_cmd
 from .diversity import diversity
 from .eval import eval_cmd
+from .probe import probe_cmd
 from .report import render, report
 
 app = typer.Typer(
@@ -43,6 +44,7 @@ def _root(version: bool = typer.Option(False, "--version", help="print the versi
 app.command("demo")(common.guard(demo))
 app.add_typer(train_cmds.app, name="train")
 app.command("eval")(common.guard(eval_cmd))
+app.command("probe")(common.guard(probe_cmd))
 app.command("diff")(common.guard(diff_cmd))
 app.command("sparsify")(common.guard(sparsify_cmd))
 app.command("diversity")(common.guard(diversity))

@@ -41,6 +41,8 @@ def report(
     config: Annotated[str | None, typer.Option("--config", help="architecture for bare weight files")] = None,
     seed: Annotated[int, typer.Option("--seed", help="evaluation seed")] = 0,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="recompute everything")] = False,
+    chat_template: Annotated[str, typer.Option("--chat-template", help="prompts through the tokenizer's chat "
+                                               "template: auto (when it has one), on, off")] = "auto",
 ) -> None:
     """Analyse BASE vs MODELS (diff, optional Pass@K, sparsification, diversity) into one HTML report.
 
@@ -67,7 +69,8 @@ def report(
                              sparsity_targets=targets, diversity=diversity,
                              held_out=[h for h in (held_out or "").split(",") if h], config=config,
                              cache_dir=None if no_cache else out.with_suffix(".cache"),
-                             log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"), progress_factory=factory)
+                             log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"), progress_factory=factory,
+                             chat_template=chat_template)
     write_json_atomic(doc, out.with_suffix(".json"))
     render_report(doc, out)
     c.console.print(f"wrote {out} (analysis: {out.with_suffix('.json')})")

@@ -15,7 +15,7 @@ FOLDERS = {"deltalens": "deltalens", "cli": "deltalens.cli", "reports": "deltale
 
 # lowest first; a module may import modules of its own layer or below (never above)
 LAYERS = [
-    ("deltalens", "deltalens.errors", "deltalens.config", "deltalens.schema", "deltalens.tiny"),
+    ("deltalens", "deltalens.errors", "deltalens.config", "deltalens.schema", "deltalens.tiny", "deltalens.presets"),
     ("deltalens.io",),
     ("deltalens.tasks",),
     ("deltalens.generation", "deltalens.tiny.build"),

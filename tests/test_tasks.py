@@ -11,7 +11,7 @@ from deltalens.tasks import (
     GSM8KTask,
     JsonlTask,
     Problem,
-    _arith_solution,
+    arith_solution,
     final_answer,
     get_task,
     normalize_number,
@@ -58,7 +58,7 @@ def test_arith_solutions_are_correct_for_every_strategy():
     for _ in range(200):
         terms, value = task._draw(rng)
         for strat in ("ltr", "pos", "grouped"):
-            sol = _arith_solution(terms, strat)
+            sol = arith_solution(terms, strat)
             assert task.verify(sol, str(value)), (terms, strat, sol)
             for step in sol.split("\n")[0].split(". "):
                 lhs, rhs = step.rstrip(".").strip().split("=")
@@ -133,3 +133,108 @@ def test_real_gsm8k_if_present():
 def test_unknown_task():
     with pytest.raises(DeltalensError, match="unknown task"):
         get_task("nope")
+
+
+# ---------------------------------------------------------------------------- splits, specs, chat forms
+
+import hashlib
+
+from deltalens.tasks import AddTask, lenient_number, parse_spec
+
+
+def _digest(problems) -> str:
+    return hashlib.sha256("\n".join(p.prompt + "=" + p.answer for p in problems).encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("spec", ["arith", "add", "add:digits=1-3,terms=3,ops=+-*", "countdown"])
+def test_splits_are_disjoint_and_the_stream_avoids_them(spec):
+    task = get_task(spec)
+    test, val = task.test(), task.validation()
+    assert len(test) == len(val) == 500
+    assert not {p.prompt for p in test} & {p.prompt for p in val}
+    train = task.train(2000, random.Random(7))
+    assert not {p.prompt for p in train} & ({p.prompt for p in test} | {p.prompt for p in val})
+
+
+# Pinned: a change of these digests changes every figure measured on these splits (say so in docs/). The arith
+# and countdown test digests are those of deltalens before validation splits existed (same test problems).
+PINNED = {
+    "arith": ("b230f1cae1f18a1a", "3656cd4204744fc2"),
+    "add": ("a2f3fc6268e68f74", "7109b24b481d5a11"),
+    "countdown": ("50732e9294a3fc70", "96cc0ebc99f27f15"),
+}
+
+
+@pytest.mark.parametrize("spec", list(PINNED))
+def test_splits_are_stable_across_versions(spec):
+    task = get_task(spec)
+    want_test, want_val = PINNED[spec]
+    got = (_digest(task.test(20)), _digest(task.validation(20)))
+    assert got == (want_test, want_val)
+
+
+def test_arith_test_split_is_the_one_earlier_versions_reported():
+    # the first test problems of `arith` (seed 0) as every earlier deltalens version drew them
+    assert [p.prompt for p in get_task("arith").test(3)] == [p.prompt for p in ArithTask(seed=0).test(3)]
+
+
+@pytest.mark.parametrize("completion,want", [
+    ("The answer is 42.", "42"), ("So 40 + 2 = 42", "42"), ("\\boxed{1,234}", "1234"), ("**Answer:** 42", "42"),
+    ("It is 42 apples, I think.", "42"), ("The result is -7.", "-7"), ("$12.00", "12"), ("no number here", None),
+    ("First 3, then 5, finally 8\nDone", "8"),
+])
+def test_lenient_answers_read_what_chat_models_write(completion, want):
+    assert lenient_number(completion) == want
+
+
+@pytest.mark.parametrize("completion,score", [
+    ("#### 68", 1.0), ("23 + 45 = 68", 1.0), ("The answer is 68.", 1.0), ("\\boxed{68}", 1.0),
+    ("#### 67", 0.1),  # the stated format, wrong: the paper's 0.1
+    ("The answer is 67.", 0.0),  # wrong and not in the stated format: 0
+    ("#### 67\nActually it is 68", 0.1),  # the stated answer counts, not a later number
+    ("nothing", 0.0),
+])
+def test_add_reward_is_correct_or_formatted(completion, score):
+    assert AddTask().score(completion, "68") == score
+
+
+def test_task_specs_and_options():
+    assert parse_spec("add:digits=1-3, terms=3") == ("add", {"digits": "1-3", "terms": "3"})
+    t = get_task("add:digits=3,terms=3,ops=-+")
+    assert t.name == "add:digits=3,terms=3,ops=+-" and t.terms == 3 and t.digits == (3, 3)
+    q = t.test(1)[0]
+    assert q.prompt.startswith("Q: What is ") and str(eval(q.meta["expr"])) == q.answer
+    for bad, msg in [("add:size=3", "has no option 'size'"), ("add:digits", "must be key=value"),
+                     ("add:terms=x", "not a valid int"), ("add:ops=/", "ops must be"), ("add:digits=0", "between 1"),
+                     ("arith:lenient=maybe", "not a valid _bool")]:
+        with pytest.raises(DeltalensError, match=msg):
+            get_task(bad)
+    assert get_task("arith:lenient=true").score("the answer is 17", "17") == 1.0  # strict by default
+
+
+def test_few_shot_examples_are_prior_turns_or_prefixed_text():
+    t = get_task("add:shots=2")
+    p = t.test(1)[0]
+    msgs = p.chat()
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant", "user"]
+    assert msgs[1]["content"].endswith(f"#### {t.examples()[0].answer}") and "What is" in msgs[-1]["content"]
+    assert p.prompt.count("Q: What is") == 3 and p.prompt.endswith(get_task("add").test(1)[0].prompt)
+    shots = {e.prompt for e in t.examples()}
+    assert not shots & {q.prompt for q in get_task("add").test()}  # examples come from the training stream
+    assert get_task("arith").test(1)[0].chat() == [
+        {"role": "user", "content": get_task("arith").chat_question(get_task("arith").test(1)[0])}]
+
+
+def test_jsonl_splits(tmp_path):
+    f = tmp_path / "qa.jsonl"
+    f.write_text("".join(f'{{"question": "q{i}?", "answer": "#### {i}"}}\n' for i in range(10)))
+    with pytest.raises(DeltalensError, match="is a test set"):
+        JsonlTask(f).train(2, random.Random(0))  # a single file is never trained on
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "test.jsonl").write_text(f.read_text())
+    (d / "train.jsonl").write_text("".join(f'{{"question": "t{i}?", "answer": "#### {i}"}}\n' for i in range(20)))
+    g = GSM8KTask(d, n_validation=5)
+    val, train = g.validation(), g.train(200, random.Random(0))
+    assert len(val) == 5 and not {p.prompt for p in val} & {p.prompt for p in train}
+    assert len({p.prompt for p in train}) == 15

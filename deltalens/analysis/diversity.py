@@ -63,7 +63,7 @@ Figures: docs/tuning.md. `cost` in the output counts sampled / scored sequences.
 Departures / choices
 - Own sampler (`sample_responses`, HF generate, same batching and settings as `generation.HFBackend`)
   because scoring needs token ids: decoding and re-tokenising a response is not the identity for BPE
-  tokenizers. Prompts are tokenised as HFBackend does (no chat template).
+  tokenizers. Prompts are tokenised as HFBackend does, chat template setting included.
 - Plug-in success rates everywhere (coverage, JS_succ), as the paper's formulas are written.
 - Additions: the posterior-entropy JS estimator, `js_se_prompts`, token entropy at T = 1, the drawn-noise
   and paired forms of the law, `cost` / `timing` / `notes` fields beside the schema's keys.
@@ -87,6 +87,8 @@ import torch
 from deltalens.analysis.document import analysis_document, model_entry
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches
+from deltalens.generation.prompts import encode_prompts as generation_encode
+from deltalens.generation.prompts import problem_prompts, uses_chat
 from deltalens.io.models import load_model
 from deltalens.io.runs import RunDir
 from deltalens.io.spec import default_labels
@@ -170,9 +172,10 @@ def _seed(*keys) -> int:
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
-def encode_prompts(tok, prompts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each prompt, tokenised as `generation.HFBackend` does (no chat template)."""
-    ids = [tok(p)["input_ids"] for p in prompts]
+def encode_prompts(tok, prompts: Sequence, chat_template="auto") -> list[list[int]]:
+    """Token ids of each prompt (raw text or chat messages), tokenised as `generation.HFBackend` does
+    under the same chat-template setting (auto / on / off)."""
+    ids = generation_encode(tok, prompts, uses_chat(tok, chat_template))
     if any(len(x) == 0 for x in ids):
         raise DeltalensError("a prompt tokenises to nothing; scoring needs at least one prompt token")
     return ids
@@ -371,7 +374,7 @@ def _decode(tok, y: tuple[int, ...]) -> str:
 
 def population_divergence(population: Population, task, problems, *, samples: int = 4, temperature: float = 0.6,
                           max_new_tokens: int | None = None, seed: int = 0, centre_samples: int | None = None,
-                          progress: Progress | None = None) -> dict:
+                          progress: Progress | None = None, chat_template="auto") -> dict:
     """JS (two estimators), JS_succ, coverage and centre token entropy of `population` on `problems`.
 
     Two passes over the members (one perturb / restore each): sample M responses per prompt from each,
@@ -382,7 +385,8 @@ def population_divergence(population: Population, task, problems, *, samples: in
     if samples < 1 or n_p < 1:
         raise DeltalensError(f"need samples >= 1 and at least one prompt (got {samples}, {n_p})")
     mnt = max_new_tokens or task.max_new_tokens
-    prompt_ids = encode_prompts(tok, [p.prompt for p in problems])
+    chat = uses_chat(tok, chat_template)
+    prompt_ids = encode_prompts(tok, problem_prompts(problems, chat), chat_template)
     do_centre = population.centre is not None and centre_samples != 0
     centre_samples = centre_samples or n * samples
     total, done = 2 * n + int(do_centre), 0
@@ -501,7 +505,7 @@ def population_divergence(population: Population, task, problems, *, samples: in
 
 def fisher_trace(model, tok, task, problems, params: Sequence[torch.Tensor], *, samples: int = 16,
                  temperature: float = 0.6, max_new_tokens: int | None = None, seed: int = 0,
-                 directions: torch.Tensor | None = None) -> list[dict]:
+                 directions: torch.Tensor | None = None, chat_template="auto") -> list[dict]:
     """tr I_x over `params` per prompt: mean over y ~ π_T(·|x) of ||∇ log π_T(y|x)||² (one backward per
     distinct sample), with its standard error over samples.
 
@@ -510,7 +514,7 @@ def fisher_trace(model, tok, task, problems, params: Sequence[torch.Tensor], *, 
     (d_k·∇ log π(y))² per sample, the Fisher quadratic form of each direction (the law on drawn noise).
     """
     mnt = max_new_tokens or task.max_new_tokens
-    prompt_ids = encode_prompts(tok, [p.prompt for p in problems])
+    prompt_ids = encode_prompts(tok, problem_prompts(problems, uses_chat(tok, chat_template)), chat_template)
     resp = sample_responses(model, tok, prompt_ids, samples, temperature=temperature, max_new_tokens=mnt,
                             seed=_seed(seed, "fisher"))
     params = list(params)
@@ -556,7 +560,7 @@ def _ratio(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 def sigma_sweep(model, tokenizer, task, sigmas: Sequence[float], *, config=None, iteration: int = 1,
                 members: int | None = None, prompts: int = 8, samples: int = 4, temperature: float = 0.6,
                 seed: int = 0, fisher_samples: int = 32, max_new_tokens: int | None = None,
-                draw_prediction: bool = True, progress: Progress | None = None) -> list[dict]:
+                draw_prediction: bool = True, progress: Progress | None = None, chat_template="auto") -> list[dict]:
     """Measured JS against the small-σ law over `sigmas`, one row per σ (schema `sigma_sweep`).
 
     The noise is `config`'s (an ESConfig; default ESConfig(seed, population=members or 8)) at
@@ -595,14 +599,15 @@ def sigma_sweep(model, tokenizer, task, sigmas: Sequence[float], *, config=None,
         directions = eps - eps.mean(0, keepdim=True)  # ε_i − ε̄
     fisher = fisher_trace(model, tokenizer, task, problems, pop0.params(), samples=fisher_samples,
                           temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
-                          directions=directions)
+                          directions=directions, chat_template=chat_template)
     pop0.close()
     tr = sum(f["trace"] for f in fisher) / len(fisher)
     tr_se = math.sqrt(sum((f["trace_se"] or 0.0) ** 2 for f in fisher)) / len(fisher)
     sq = torch.cat([f["sq"] for f in fisher])  # (P·F,) every Fisher sample, prompts in order
     quad = torch.cat([f["quad"] for f in fisher]).mean(1) if directions is not None else None  # (P·F,) mean_i
     # the Fisher samples as distinct (prompt, response) pairs, scored once under the centre
-    prompt_ids = encode_prompts(tokenizer, [p.prompt for p in problems])
+    prompt_ids = encode_prompts(tokenizer, problem_prompts(problems, uses_chat(tokenizer, chat_template)),
+                                chat_template)
     rows_of: dict[tuple[int, tuple[int, ...]], int] = {}
     sample_row = torch.tensor([rows_of.setdefault((x, y), len(rows_of)) for x, f in enumerate(fisher)
                                for y in f["responses"]])  # (P·F,) -> distinct pair
@@ -620,7 +625,8 @@ def sigma_sweep(model, tokenizer, task, sigmas: Sequence[float], *, config=None,
 
         try:
             r = population_divergence(pop, task, problems, samples=samples, temperature=temperature,
-                                      max_new_tokens=max_new_tokens, seed=seed, centre_samples=0, progress=sub)
+                                      max_new_tokens=max_new_tokens, seed=seed, centre_samples=0, progress=sub,
+                                      chat_template=chat_template)
             done += 2 * n
             lp = torch.empty((n, len(items)), dtype=torch.float64)  # (N, U): Fisher samples under members
             for j in range(n):
@@ -665,8 +671,8 @@ def _run_checkpoints(run_dir: Path, cfg: dict) -> dict[int, str]:
 
 
 def load_population(model_spec: str, task, *, members: int | None = None, sigma: float | None = None,
-                    iteration: int | None = None, seed: int = 0, dtype: str | None = None
-                    ) -> tuple[ESPopulation, dict]:
+                    iteration: int | None = None, seed: int = 0, dtype: str | None = None,
+                    chat_template: str = "auto") -> tuple[ESPopulation, dict]:
     """The population a `diversity_section` call describes, and a dict of what it is (for the record).
 
     An ES run with `iteration`: the centre checkpoint after `iteration` updates (or the nearest saved
@@ -717,7 +723,7 @@ def load_population(model_spec: str, task, *, members: int | None = None, sigma:
     else:
         model, tok = load_model(model_spec, dtype=dtype or "fp32")
         cfg = ESConfig(seed=seed, population=members or 32, sigma=sigma if sigma else 1.5e-3,
-                       dtype=dtype or "fp32")
+                       dtype=dtype or "fp32", chat_template=chat_template)
         info = {"model": model_spec, "centre": model_spec, "iteration": None, "centre_iteration": None,
                 "noise": {"source": "fresh", "seed": seed, "iteration": 1, "antithetic": False, "params": ["*"]},
                 "dtype": dtype or "fp32"}
@@ -732,7 +738,7 @@ def diversity_section(model_spec: str, task, *, members: int | None = None, sigm
                       temperature: float = 0.6, seed: int = 0, progress: Progress | None = None,
                       sweep: Sequence[float] | None = None, fisher_samples: int = 32,
                       max_new_tokens: int | None = None, centre_samples: int | None = None,
-                      dtype: str | None = None) -> dict:
+                      dtype: str | None = None, chat_template="auto") -> dict:
     """One `diversity` entry of analysis.json (docs/analysis-schema.md) for a model or an ES run.
 
     members / sigma: None = the run's (with `iteration`) else 32 / 1.5e-3; sigma = 0 gives N copies of
@@ -745,7 +751,8 @@ def diversity_section(model_spec: str, task, *, members: int | None = None, sigm
     if not problems:
         raise DeltalensError(f"task {t.name} has no test problems")
     pop, info = load_population(model_spec, t, members=members, sigma=sigma, iteration=iteration, seed=seed,
-                                dtype=dtype)
+                                dtype=dtype, chat_template=chat_template)
+    chat_template = pop.config.chat_template  # an ES run's own setting
     n_sweep = len(sweep or ())
     grand = 2 * pop.size + 1 + (1 + n_sweep * 3 * pop.size if n_sweep else 0)
     offset = [0]
@@ -758,7 +765,7 @@ def diversity_section(model_spec: str, task, *, members: int | None = None, sigm
     try:
         res = population_divergence(pop, t, problems, samples=samples, temperature=temperature,
                                     max_new_tokens=max_new_tokens, seed=seed, centre_samples=centre_samples,
-                                    progress=prog)
+                                    progress=prog, chat_template=chat_template)
     finally:
         pop.close()
     offset[0] = 2 * pop.size + 1
@@ -769,7 +776,7 @@ def diversity_section(model_spec: str, task, *, members: int | None = None, sigm
         section["sigma_sweep"] = sigma_sweep(
             pop.model, pop.tokenizer, t, list(sweep), config=pop.config, iteration=pop.iteration,
             prompts=prompts, samples=samples, temperature=temperature, seed=seed, fisher_samples=fisher_samples,
-            max_new_tokens=max_new_tokens, progress=prog)
+            max_new_tokens=max_new_tokens, progress=prog, chat_template=chat_template)
     section["timing"] = {**res["timing"], "total_s": round(time.perf_counter() - t0, 3)}
     return section
 

@@ -120,7 +120,8 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
                    held_out: Sequence[str] = (), diversity: bool = False, diversity_opts: dict | None = None,
                    diversity_models: Sequence[str] | None = None, sparsify_models: Sequence[str] | None = None,
                    config: str | None = None, cache_dir: Path | None = None,
-                   log: Callable[[str], None] = lambda s: None, progress_factory=None) -> dict:
+                   log: Callable[[str], None] = lambda s: None, progress_factory=None,
+                   chat_template: str = "auto") -> dict:
     """Run the requested analyses of `models` against `base`; returns the analysis.json dict.
 
     diversity_models / sparsify_models: labels to restrict those (costly) analyses to; None = all.
@@ -166,14 +167,14 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
 
     def eval_one(label, tsk):
         key = cache.key("eval", weights=hashes[label], task=tsk.name, data=data, samples=samples, ks=ks,
-                        temperature=temperature, limit=limit, seed=seed)
+                        temperature=temperature, limit=limit, seed=seed, chat_template=chat_template)
 
         def compute():
             model, tok = model_for(label)
             prog = progress_factory(f"eval {label} on {tsk.name}", len(tsk.test(limit)) * samples) \
                 if progress_factory else None
             res = evaluate(model, tok, tsk, samples=samples, ks=ks, temperature=temperature, limit=limit,
-                           seed=seed, progress=prog)
+                           seed=seed, progress=prog, chat_template=chat_template)
             return res
 
         return cache.get_or_compute(key, compute, log)
@@ -203,14 +204,15 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
                 continue
             key = cache.key("sparsify", base=hashes["base"], model=hashes[lab], taus=list(sparsify),
                             targets=list(sparsity_targets), task=t.name, samples=samples, ks=ks,
-                            temperature=temperature, limit=limit, seed=seed)
+                            temperature=temperature, limit=limit, seed=seed, chat_template=chat_template)
 
             def compute(spec=spec, lab=lab):
                 def evaluate_fn(sd):
                     h = state_dict_hash(sd)
                     if h not in memo:
                         memo[h] = evaluate_state_dict(base, sd, t, samples=samples, ks=ks, temperature=temperature,
-                                                      limit=limit, seed=seed, model_cache=model_cache)
+                                                      limit=limit, seed=seed, model_cache=model_cache,
+                                                      chat_template=chat_template)
                     return memo[h]
 
                 log(f"sparsify {lab}: {len(sparsify) + len(sparsity_targets)} points")
@@ -240,9 +242,11 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
         for lab, spec in zip(labels, models):
             if diversity_models is not None and lab not in diversity_models:
                 continue
-            key = cache.key("diversity", model=hashes[lab], task=t.name, opts=diversity_opts or {}, seed=seed)
+            key = cache.key("diversity", model=hashes[lab], task=t.name, opts=diversity_opts or {}, seed=seed,
+                            chat_template=chat_template)
             div[lab] = cache.get_or_compute(
-                key, lambda spec=spec: diversity_section(spec, t, **(diversity_opts or {})), log)
+                key, lambda spec=spec: diversity_section(spec, t, chat_template=chat_template,
+                                                         **(diversity_opts or {})), log)
         sections["diversity"] = div
 
     return analysis_document(base, [model_entry(lab, m) for lab, m in zip(labels, models)], **sections)

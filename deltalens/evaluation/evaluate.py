@@ -16,6 +16,7 @@ import torch
 from deltalens.errors import DeltalensError
 from deltalens.evaluation.passk import parse_ks, summarize
 from deltalens.generation import HFBackend, SamplingParams, make_backend
+from deltalens.generation.prompts import problem_prompts
 from deltalens.io.models import apply_state_dict, load_model
 from deltalens.io.spec import default_labels
 from deltalens.schema import new_document
@@ -25,18 +26,22 @@ from deltalens.tasks import Task, get_task
 def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[int] = (1, 16, 32),
              temperature: float = 0.6, top_p: float = 1.0, limit: int | None = None,
              max_new_tokens: int | None = None, seed: int = 0, backend=None,
-             progress: Callable[[int, int], None] | None = None, keep_completions: int = 0) -> dict:
-    """Sample `samples` completions for each test problem and score them (the `evals` schema entry).
+             progress: Callable[[int, int], None] | None = None, keep_completions: int = 0,
+             split: str = "test", chat_template: str = "auto") -> dict:
+    """Sample `samples` completions for each problem of a split (test: what evaluations report;
+    validation: what tuning looks at) and score them (the `evals` schema entry).
 
-    progress(done, total) is called as sequences finish (total = problems x samples).
+    The backend (default: HF with `chat_template` auto/on/off) decides the prompt form: chat messages
+    or raw text (`deltalens.generation.prompts`). progress(done, total) is called as sequences finish
+    (total = problems x samples).
     """
-    problems = task.test(limit)
+    problems = task.split(split, limit)
     if not problems:
-        raise DeltalensError(f"task {task.name} has no test problems")
+        raise DeltalensError(f"task {task.name} has no {split} problems")
     ks = parse_ks(ks)
     params = SamplingParams(n=samples, temperature=temperature, top_p=top_p,
                             max_new_tokens=max_new_tokens or task.max_new_tokens, seed=seed)
-    backend = backend or HFBackend(model, tokenizer)
+    backend = backend or HFBackend(model, tokenizer, chat_template=chat_template)
     total = len(problems) * samples
     done = [0]
 
@@ -46,10 +51,11 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
             progress(done[0], total)
 
     t0 = time.time()
-    completions = backend.generate([p.prompt for p in problems], params, progress=tick)
+    completions = backend.generate(problem_prompts(problems, backend.chat), params, progress=tick)
     gen_s = time.time() - t0
-    out = {"task": task.name, "split": "test", "n_problems": len(problems), "samples": samples,
-           "temperature": temperature, "top_p": top_p, "seed": seed, "max_new_tokens": params.max_new_tokens}
+    out = {"task": task.name, "split": split, "n_problems": len(problems), "samples": samples,
+           "temperature": temperature, "top_p": top_p, "seed": seed, "max_new_tokens": params.max_new_tokens,
+           "chat_template": backend.chat}
     out.update(summarize(task, problems, completions, ks, seed=seed, keep_completions=keep_completions))
     n_chars = sum(len(c) for comps in completions for c in comps)
     out["timing"] = {"generate_s": round(gen_s, 3), "sequences": total,
@@ -59,7 +65,8 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
 
 def evaluate_state_dict(base_model_spec: str, state_dict: dict[str, torch.Tensor], task: str | Task, *,
                         samples: int = 32, ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6,
-                        limit: int | None = None, seed: int = 0, model_cache: dict | None = None) -> dict:
+                        limit: int | None = None, seed: int = 0, model_cache: dict | None = None,
+                        chat_template: str = "auto") -> dict:
     """Evaluate `state_dict` applied onto the architecture (and tokenizer) of `base_model_spec`.
 
     Pass a dict as `model_cache` to reuse one loaded model across calls (sparsification sweeps).
@@ -72,14 +79,16 @@ def evaluate_state_dict(base_model_spec: str, state_dict: dict[str, torch.Tensor
             model_cache[base_model_spec] = (model, tok)
     apply_state_dict(model, state_dict, source="state dict")
     t = get_task(task) if isinstance(task, str) else task
-    return evaluate(model, tok, t, samples=samples, ks=ks, temperature=temperature, limit=limit, seed=seed)
+    return evaluate(model, tok, t, samples=samples, ks=ks, temperature=temperature, limit=limit, seed=seed,
+                    chat_template=chat_template)
 
 
 def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] | None = None,
                     config: str | None = None, dtype: str = "fp32", samples: int = 32,
                     ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6, limit: int | None = None,
                     max_new_tokens: int | None = None, seed: int = 0, backend: str = "hf",
-                    chat_template: bool = False, progress_factory=None, device: str = "auto") -> dict:
+                    chat_template: str = "auto", progress_factory=None, device: str = "auto",
+                    split: str = "test") -> dict:
     """Evaluate each model on `task`; returns an analysis.json-shaped dict with `models` and `evals`.
 
     device: where the HF backend runs the model (cpu, cuda, cuda:N, auto); vLLM places its own.
@@ -102,10 +111,10 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
         else:
             model, tok = load_model(spec, config=config, dtype=dtype, device=device)
             be = make_backend(backend, model, tok, chat_template=chat_template)
-        prog = progress_factory(label, len(task.test(limit)) * samples) if progress_factory else None
+        prog = progress_factory(label, len(task.split(split, limit)) * samples) if progress_factory else None
         try:
             res = evaluate(model, tok, task, samples=samples, ks=ks, temperature=temperature, limit=limit,
-                           max_new_tokens=max_new_tokens, seed=seed, backend=be, progress=prog)
+                           max_new_tokens=max_new_tokens, seed=seed, backend=be, progress=prog, split=split)
         finally:
             if hasattr(be, "close"):
                 be.close()  # frees the GPU before the next model

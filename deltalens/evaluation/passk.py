@@ -118,7 +118,7 @@ def summarize(task: Task, problems: list[Problem], completions: list[list[str]],
     n = len(completions[0])
     if max(ks) > n:
         raise DeltalensError(f"--k {max(ks)} exceeds --samples {n}; raise --samples or lower --k")
-    per_problem, rewards = [], []
+    per_problem, rewards, n_formatted = [], [], 0
     curve_k = list(range(1, n + 1))
     pass_sum = [0.0] * n
     maj_sum = [0.0] * n
@@ -127,13 +127,15 @@ def summarize(task: Task, problems: list[Problem], completions: list[list[str]],
         ok = [s == CORRECT for s in scores]
         answers = [task.extract(c) for c in comps]
         c = sum(ok)
+        formatted = sum(task.formatted(x) for x in comps)  # the stated answer format (reward >= 0.1)
+        n_formatted += formatted
         rewards.extend(scores)
         maj = maj_curve(answers, ok, maj_subsets, seed + i)
         for k in curve_k:
             pass_sum[k - 1] += pass_at_k(n, c, k)
             maj_sum[k - 1] += maj[k - 1]
         majority = Counter(a for a in answers if a is not None).most_common(1)
-        row = {"prompt": p.prompt, "answer": p.answer, "correct": c, "n": n,
+        row = {"prompt": p.prompt, "answer": p.answer, "correct": c, "n": n, "formatted": formatted,
                "majority": majority[0][0] if majority else None}
         if keep_completions:
             row["completions"] = comps[:keep_completions]
@@ -146,5 +148,6 @@ def summarize(task: Task, problems: list[Problem], completions: list[list[str]],
         "maj_at_k": {str(k): curve_maj[k - 1] for k in ks},
         "curve": {"k": curve_k, "pass": curve_pass, "maj": curve_maj},
         "mean_reward": sum(rewards) / len(rewards),
+        "format_rate": n_formatted / len(rewards),
         "per_problem": per_problem,
     }

@@ -16,31 +16,32 @@ import torch
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs
 from deltalens.generation.params import SamplingParams
-from deltalens.generation.prompts import encode_prompts, format_prompt
+from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
 
 
 class HFBackend:
     """Batched sampling with transformers `generate` (KV cache, left padding, stop at EOS).
 
     batch_tokens bounds (sequences x (prompt + new tokens)) per forward batch, which bounds the KV cache.
+    chat_template: auto | on | off (`deltalens.generation.prompts`); `chat` is the resolved choice.
     """
 
     def __init__(self, model, tokenizer, batch_tokens: int = 262_144, max_batch: int = 1024,
-                 chat_template: bool = False):
+                 chat_template: str | bool = "auto"):
         self.model, self.tok = model, tokenizer
         self.batch_tokens, self.max_batch = batch_tokens, max_batch
-        self.chat_template = chat_template
+        self.chat = uses_chat(tokenizer, chat_template)
         if tokenizer.pad_token_id is None:
             raise DeltalensError("tokenizer has no pad or eos token; cannot batch generation")
 
-    def format(self, prompt: str) -> str:
-        return format_prompt(self.tok, prompt, self.chat_template)
+    def format(self, prompt: Prompt) -> str:
+        return format_prompt(self.tok, prompt, self.chat)
 
-    def encode(self, prompts: list[str]) -> list[list[int]]:
-        return encode_prompts(self.tok, prompts, self.chat_template)
+    def encode(self, prompts: list[Prompt]) -> list[list[int]]:
+        return encode_prompts(self.tok, prompts, self.chat)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], params: SamplingParams,
+    def generate(self, prompts: list[Prompt], params: SamplingParams,
                  progress: Callable[[int], None] | None = None) -> list[list[str]]:
         """Returns out[i][j]: completion j of prompt i. `progress(k)` is called after each k sequences."""
         enc = self.encode(prompts)

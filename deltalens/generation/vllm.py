@@ -23,7 +23,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.params import SamplingParams
-from deltalens.generation.prompts import encode_prompts, format_prompt
+from deltalens.generation.prompts import encode_prompts, format_prompt, uses_chat
 
 MISSING_VLLM = "the vllm backend needs vLLM: pip install 'deltalens[vllm]' (GPU machines only)"
 VLLM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -47,10 +47,10 @@ class VLLMBackend:
     first). `last_stats` holds the token counts and seconds of the latest `generate` call.
     """
 
-    def __init__(self, llm, tokenizer, chat_template: bool = False, max_prompts: int | None = None,
+    def __init__(self, llm, tokenizer, chat_template: str | bool = "auto", max_prompts: int | None = None,
                  repetition_penalty: float | None = None, tmpdir: str | None = None):
         self.llm, self.tok = llm, tokenizer
-        self.chat_template = chat_template
+        self.chat = uses_chat(tokenizer, chat_template) if tokenizer is not None else False
         self.max_prompts = max_prompts  # prompts per llm.generate call (None: all; progress per call)
         self.repetition_penalty = repetition_penalty  # from the model's generation_config, as HF applies it
         self._tmpdir = tmpdir
@@ -59,7 +59,7 @@ class VLLMBackend:
     # -- construction
     @classmethod
     def from_spec(cls, model_spec: str, *, dtype: str = "fp32", gpu_memory_utilization: float = 0.85,
-                  chat_template: bool = False, tensor_parallel_size: int = 1, seed: int = 0,
+                  chat_template: str | bool = "auto", tensor_parallel_size: int = 1, seed: int = 0,
                   max_model_len: int | None = None, enforce_eager: bool = False,
                   enable_prefix_caching: bool | None = None, worker_extension_cls: str | None = None,
                   config: str | None = None, max_prompts: int | None = None, **llm_kwargs) -> VLLMBackend:
@@ -130,11 +130,11 @@ class VLLMBackend:
 
     # -- generation
     def format(self, prompt: str) -> str:
-        return format_prompt(self.tok, prompt, self.chat_template)
+        return format_prompt(self.tok, prompt, self.chat)
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a prompt, exactly as HFBackend computes them."""
-        return encode_prompts(self.tok, [prompt], self.chat_template)[0]
+        return encode_prompts(self.tok, [prompt], self.chat)[0]
 
     def sampling_params(self, params: SamplingParams, index: int = 0):
         """vLLM SamplingParams of prompt `index` (seed + index; no seed when greedy)."""

@@ -40,6 +40,7 @@ from deltalens.config import NOT_NONE, Config, check, option
 from deltalens.errors import DeltalensError
 from deltalens.io.atomic import atomic_dir, atomic_path, write_json_atomic
 from deltalens.io.runs import RunDir
+from deltalens.presets import auto_preset
 from deltalens.training.budget import (
     es_units,
     grpo_units,
@@ -144,7 +145,7 @@ def _units(method: str, cfg, it: int) -> int:
 
 
 def _default_config(method: str, model: str):
-    return STAGE_CONFIGS[method].preset("tiny" if model == "tiny" else "paper")
+    return STAGE_CONFIGS[method].preset(auto_preset(model))
 
 
 def stage_configs(out: Path, methods: Sequence[str], model: str, task: str, configs: dict, task_fields: dict,

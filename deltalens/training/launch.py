@@ -5,7 +5,8 @@
     resume_run("runs/x", given={"iterations": 200})                          # deltalens train resume DIR
 
 Precedence, lowest first: the dataclass defaults, the preset (`auto`: the model's own preset where it
-has one, else the paper's), the YAML file, the options given on the command line. A resume starts from
+has one, else the paper's; `deltalens.presets`), the YAML file, the options given on the command line.
+Without a task anywhere, the model's default task is used (`deltalens.presets.default_task`). A resume starts from
 the run's stored config instead of a preset; options that decide the trajectory may not change
 (`deltalens.training.run.check_resume`). Everything is validated before the run directory is touched.
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from deltalens.config import Config, load_yaml
 from deltalens.errors import DeltalensError
 from deltalens.io.runs import RunDir
+from deltalens.presets import auto_preset, default_task
 from deltalens.training.chain import ChainConfig, train_chain, train_chain_config
 from deltalens.training.es.config import ESConfig
 from deltalens.training.es.train import train_es
@@ -27,11 +29,6 @@ from deltalens.training.grpo.train import train_grpo
 CONFIGS: dict[str, type[Config]] = {"es": ESConfig, "grpo": GRPOConfig, "chain": ChainConfig}
 CHAIN_METHODS = ("es-grpo", "grpo-es")  # what a chain's config.json says in "method"
 Progress = Callable[[int, int, "dict | None"], None]
-
-
-def auto_preset(model: str | None) -> str:
-    """The preset `auto` stands for: `tiny` for the bundled tiny model, else the paper's settings."""
-    return "tiny" if (model or "tiny") == "tiny" else "paper"
 
 
 def _yaml(path: str | Path | None, method: str) -> tuple[dict, str | None]:
@@ -62,6 +59,8 @@ def make_config(method: str, *, given: dict | None = None, yaml_path: str | Path
     if preset == "auto":
         preset = auto_preset(model)
     source = str(yaml_path) if yaml_path is not None else "the config file"
+    if "task" not in given and "task" not in yaml:
+        given["task"] = default_task(model)
     if cls is ChainConfig:
         return ChainConfig.resolve(yaml=yaml, given=given, source=source), preset
     return cls.resolve(preset=preset, yaml=yaml, given=given, source=source), preset

@@ -3,7 +3,8 @@
 - `make_task(config)`: the task a config names (task, data, question/answer fields).
 - `open_run(run, config, resume=...)`: create the run directory, or re-open it for an exact resume
   after checking that no setting that decides the trajectory changed; returns the resume state.
-- `held_out_pass_at_1`: the greedy Pass@1 every method logs on held-out test problems.
+- `held_out_pass_at_1`: the greedy Pass@1 every method logs on held-out validation problems (the split
+  tuning may look at; test problems are for the final evaluation only).
 """
 
 from __future__ import annotations
@@ -69,14 +70,14 @@ def open_run(run: RunDir, config: Config, *, resume: bool, overwrite: bool = Fal
 
 
 def held_out_pass_at_1(model, tok, task, *, limit: int, max_new_tokens: int, backend) -> dict:
-    """Greedy Pass@1 (one response, temperature 0) on the first `limit` test problems, in eval mode."""
+    """Greedy Pass@1 (one response, temperature 0) on the first `limit` validation problems, in eval mode."""
     was_training = model.training if model is not None else False
     if model is not None:
         model.eval()
     t0 = time.perf_counter()
     try:
         r = evaluate(model, tok, task, samples=1, ks=[1], temperature=0.0, limit=limit,
-                     max_new_tokens=max_new_tokens, backend=backend)
+                     max_new_tokens=max_new_tokens, backend=backend, split="validation")
     finally:
         if model is not None:
             model.train(was_training)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from deltalens.config import Config, check, option
+from deltalens.generation.prompts import CHAT_MODES
 from deltalens.training.budget import iterations_for_budget, parse_budget
 
 FITNESS = ("zscore", "centered_rank")
@@ -44,6 +45,8 @@ class ESConfig(Config):
                                 trajectory=True)
     max_new_tokens: int | None = option(None, "generation budget per response (default: the task's)",
                                         trajectory=True)
+    chat_template: str = option("auto", "prompts through the tokenizer's chat template: auto (when it has one), "
+                                "on, off", trajectory=True)
     antithetic: bool = option(False, "mirrored pairs: member 2k+1 uses -ε of member 2k (population must be even)",
                               trajectory=True)
     fitness: str = option("zscore", "reward shaping: zscore (paper) or centered_rank (evosax style)",
@@ -58,8 +61,8 @@ class ESConfig(Config):
                                     f"{DEFAULT_ITERATIONS}, or from --budget)")
     budget: float | str | None = option(None, "FLOP-matched compute units (e.g. 2e6, 1.5M): iterations = the most "
                                         "that fit, 2·N·P units each (deltalens.training.budget)")
-    eval_every: int = option(10, "held-out greedy Pass@1 every k iterations and at the end (0 = never)")
-    eval_limit: int = option(64, "number of held-out test problems in that evaluation")
+    eval_every: int = option(10, "greedy Pass@1 on validation problems every k iterations and at the end (0 = never)")
+    eval_limit: int = option(64, "number of validation problems in that evaluation")
     checkpoint_every: int = option(10, "HF checkpoint every k iterations (resume points; 0 = only the final one)")
     seed: int = option(0, "run seed: prompts and noise are functions of (seed, iteration, member, block)",
                        trajectory=True)
@@ -81,6 +84,8 @@ class ESConfig(Config):
 
     PRESETS: ClassVar[dict[str, dict]] = {
         "paper": {},
+        # SmolLM2-135M-Instruct (`smollm2`), chosen on validation problems: docs/tuning.md
+        "smollm2": {},
         # for the bundled tiny model; chosen on its test problems (no validation split then): docs/tuning.md
         "tiny": {"sigma": 6e-3, "alpha": 3e-3, "antithetic": True, "population": 32, "prompts_per_iteration": 64,
                  "eval_every": 10, "eval_limit": 200, "checkpoint_every": 10},
@@ -107,6 +112,7 @@ class ESConfig(Config):
             (bool(self.params), "params is empty; give at least one glob, e.g. --params '*'"),
             (self.dtype in ("fp32", "bf16", "fp16"), f"dtype must be fp32, bf16 or fp16 (got {self.dtype!r})"),
             (self.restore in ("copy", "subtract"), f"restore must be copy or subtract (got {self.restore!r})"),
+            (self.chat_template in CHAT_MODES, f"chat_template must be auto, on or off (got {self.chat_template!r})"),
         ])
         self._resolve_iterations()
         check([

@@ -39,6 +39,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend, SamplingParams
+from deltalens.generation.prompts import problem_prompts
 from deltalens.training.es.config import ESConfig
 from deltalens.training.es.lowrank import LowRankNoise
 from deltalens.training.es.strategy import (
@@ -118,7 +119,7 @@ class ESEngine:
         self.model, self.tok, self.task, self.config = model, tokenizer, task, config
         self.params, _ = select_params(model, config.params)
         self.n_noise = config.population // 2 if config.antithetic else config.population
-        self.generator = HFBackend(model, tokenizer)
+        self.generator = HFBackend(model, tokenizer, chat_template=config.chat_template)
         self.max_new_tokens = config.max_new_tokens or task.max_new_tokens
         self.n_trained = sum(p.numel() for _, _, p in self.params)
         # blocks: (param position j, flat view of the block, global block id)
@@ -243,7 +244,7 @@ class ESEngine:
 
     def score(self, problems) -> float:
         """Mean reward of the current weights on `problems`: one response each (greedy by default)."""
-        completions = self.generator.generate([p.prompt for p in problems], self.sampling_params())
+        completions = self.generator.generate(problem_prompts(problems, self.generator.chat), self.sampling_params())
         return self.mean_reward([c[0] for c in completions], problems)
 
     def evaluate_members(self, iteration: int, members: Sequence[int], problems=None,

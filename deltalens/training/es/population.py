@@ -70,6 +70,7 @@ from torch import nn
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs
+from deltalens.generation.prompts import problem_prompts
 from deltalens.training.es.strategy import add_scaled, member_noise
 
 # ----------------------------------------------------------------------------------------------
@@ -374,7 +375,7 @@ def evaluate_batched(engine, iteration: int, members: Sequence[int], problems,
     """Reward of each member, `engine.config.population_batch` members per batched generation."""
     members = list(members)
     size = engine.config.population_batch
-    prompts = [p.prompt for p in problems]
+    prompts = problem_prompts(problems, engine.generator.chat)
     out = {}
     for start in range(0, len(members), size):
         group = members[start:start + size]

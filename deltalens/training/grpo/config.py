@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from deltalens.config import Config, check, finite, option
+from deltalens.generation.prompts import check_mode
 from deltalens.training.budget import parse_budget, steps_for_budget
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
@@ -71,14 +72,14 @@ class GRPOConfig(Config):
                                   "dtype)", trajectory=True)
     gradient_checkpointing: bool = option(False, "recompute activations in backward (saves memory; TRL "
                                           "default: on)")
-    chat_template: bool = option(False, "wrap prompts as a user message and apply the tokenizer's chat template",
-                                 trajectory=True)
+    chat_template: str | bool = option("auto", "prompts through the tokenizer's chat template: auto (when it has "
+                                       "one), on, off", trajectory=True)
     steps: int | None = option(None, f"optimizer steps, total also on resume (default {DEFAULT_STEPS}, or from "
                                "--budget)")
     budget: float | str | None = option(None, "FLOP-matched compute units (e.g. 2e6, 1.5M): steps = the most that "
                                         "fit, 8·G·P units each (deltalens.training.budget)")
-    eval_every: int = option(10, "held-out greedy Pass@1 every k steps and at the end (0 = never)")
-    eval_limit: int = option(64, "number of held-out test problems in that evaluation")
+    eval_every: int = option(10, "greedy Pass@1 on validation problems every k steps and at the end (0 = never)")
+    eval_limit: int = option(64, "number of validation problems in that evaluation")
     save_every: int = option(10, "HF checkpoint (+ optimizer state) every k steps (0 = only the final one)",
                              flags=("--checkpoint-every",))
     seed: int = option(0, "run seed: prompts and sampling are functions of (seed, step)", trajectory=True)
@@ -90,12 +91,15 @@ class GRPOConfig(Config):
 
     PRESETS: ClassVar[dict[str, dict]] = {
         "paper": {},
+        # SmolLM2-135M-Instruct (`smollm2`), chosen on validation problems: docs/tuning.md
+        "smollm2": {},
         # for the bundled tiny model; chosen on its test problems (no validation split then): docs/tuning.md
         "tiny": {"learning_rate": 5e-5, "prompts_per_step": 8, "num_generations": 8, "steps": 200,
                  "eval_every": 20, "save_every": 20},
     }
 
     def __post_init__(self):
+        self.chat_template = check_mode(self.chat_template)  # old runs stored true/false: on/off
         self._resolve_steps()
         total = self.prompts_per_step * self.num_generations if (
             isinstance(self.prompts_per_step, int) and isinstance(self.num_generations, int)) else 0

@@ -72,6 +72,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend
+from deltalens.generation.prompts import problem_prompts, uses_chat
 from deltalens.io.atomic import atomic_dir, atomic_path
 from deltalens.io.models import load_model
 from deltalens.io.runs import RunDir, checkpoint_name
@@ -100,10 +101,11 @@ def step_problems(task, seed: int, step: int, n: int):
     return task.train(n, random.Random(f"deltalens-grpo-prompts/{seed}/{step}"))
 
 
-def build_dataset(task, config: GRPOConfig, first_step: int, last_step: int):
+def build_dataset(task, config: GRPOConfig, first_step: int, last_step: int, chat: bool = False):
     """A `datasets.Dataset` with the prompts of steps first_step..last_step, in order.
 
-    Columns: prompt (text, or a one-message conversation with chat_template), answer, and the task's
+    Columns: prompt (text, or with `chat` the problem's conversation: few-shot turns, then the question;
+    TRL applies the tokenizer's chat template to it), answer, and the task's
     extra columns (`problem_columns`, e.g. countdown's numbers), which TRL passes to the reward function.
     With num_iterations = μ > 1 one generation serves μ steps, so only every μ-th step draws prompts.
     """
@@ -113,9 +115,7 @@ def build_dataset(task, config: GRPOConfig, first_step: int, last_step: int):
     problems = []
     for step in range(first_step, last_step + 1, mu):
         problems.extend(step_problems(task, config.seed, step, config.prompts_per_step))
-    prompts = [p.prompt for p in problems]
-    if config.chat_template:
-        prompts = [[{"role": "user", "content": p}] for p in prompts]
+    prompts = problem_prompts(problems, chat)
     return Dataset.from_dict({"prompt": prompts, **problem_columns(problems)})
 
 
@@ -445,7 +445,7 @@ def train_grpo(config: GRPOConfig, out: str | Path, resume: bool = False,
     model.train()
     if start == 0 and config.eval_every and main:
         run.log({"iteration": 0, "units": 0, "eval": _held_out(model, tok, task, config)})
-    dataset = build_dataset(task, config, start + 1, config.steps)
+    dataset = build_dataset(task, config, start + 1, config.steps, chat=uses_chat(tok, config.chat_template))
 
     from transformers import PrinterCallback, ProgressCallback
 

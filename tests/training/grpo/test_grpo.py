@@ -106,8 +106,10 @@ def test_prompts_are_a_function_of_seed_and_step():
     assert ds["prompt"] == [p.prompt for p in a + step_problems(task, 0, 4, 5)]
     test_prompts = {p.prompt for p in task.test()}
     assert not test_prompts & set(ds["prompt"])  # never trains on held-out problems
-    chat = build_dataset(task, GRPOConfig(prompts_per_step=5, num_generations=2, chat_template=True), 3, 3)
-    assert chat["prompt"][0] == [{"role": "user", "content": a[0].prompt}]
+    chat = build_dataset(task, GRPOConfig(prompts_per_step=5, num_generations=2), 3, 3, chat=True)
+    assert chat["prompt"][0] == a[0].chat() and chat["prompt"][0][-1]["role"] == "user"
+    assert "#### <answer>" in chat["prompt"][0][-1]["content"]  # the chat form states the answer format
+    assert GRPOConfig.from_dict({**GRPOConfig().to_dict(), "chat_template": True}).chat_template == "on"  # old runs
 
 
 def test_countdown_dataset_passes_numbers_to_the_reward():

@@ -1,0 +1,128 @@
+"""`deltalens probe`: before hours of training, can RL move this model on this task at all?
+
+ES and GRPO learn only from reward *differences*: ES z-scores the rewards of a population (all equal:
+z = 0, no update), GRPO normalises rewards within a group of G samples of one prompt (all equal:
+advantage 0, no gradient). The probe measures, on the validation split (presets and tuning look there,
+never at test):
+
+- sampled Pass@1 / Pass@G / Pass@K at GRPO's training temperature, mean reward, and the format rate
+  (share of completions in the stated `#### <answer>` form, the 0.1 reward);
+- greedy Pass@1 (ES decodes greedily);
+- GRPO signal: the share of groups (G consecutive samples of one prompt) whose rewards are not all equal;
+- ES signal: `es_populations` populations of `es_members` perturbed models (the model's ES preset σ,
+  antithetic as the preset says) scored greedily on `es_prompts` training prompts each, and the share of
+  populations whose member rewards are not all equal;
+
+and ends in a one-line verdict. It is a cheap necessary condition, not a promise that training helps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from deltalens.errors import DeltalensError
+from deltalens.evaluation.passk import summarize
+from deltalens.generation import HFBackend, SamplingParams
+from deltalens.generation.prompts import problem_prompts
+from deltalens.io.models import load_model
+from deltalens.tasks import Task
+from deltalens.training.es.config import ESConfig
+from deltalens.training.es.engine import ESEngine
+from deltalens.training.es.strategy import iteration_problems
+
+Progress = Callable[[str], None]
+
+
+def _distinct(values) -> bool:
+    return len(set(values)) > 1
+
+
+def verdict(grpo_share: float, es_share: float | None) -> str:
+    """The one-line verdict from the shares of groups / populations with unequal rewards."""
+    es_ok = es_share is not None and es_share > 0
+    if grpo_share > 0 and es_ok:
+        return "ES and GRPO have signal"
+    if grpo_share > 0:
+        return "GRPO has signal; ES populations scored alike: raise --sigma or the prompts per iteration"
+    if es_ok:
+        return "ES has signal; GRPO groups scored alike: raise the temperature or the group size"
+    return "reward is constant: pick an easier task or another model"
+
+
+def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int = 200, samples: int = 32,
+          group: int = 8, temperature: float = 1.0, max_new_tokens: int | None = None, chat_template="auto",
+          es_preset: str = "paper", es_members: int = 8, es_prompts: int = 16, es_populations: int = 2,
+          es_sigma: float | None = None, seed: int = 0, dtype: str = "fp32",
+          log: Progress = lambda s: None, progress_factory=None) -> dict:
+    """The probe section (see module docstring) for `model_spec` on `task`."""
+    if samples < group or samples % group:
+        raise DeltalensError(f"--samples {samples} must be a multiple of --group {group} (groups are cut from "
+                             "each prompt's samples)")
+    if group < 2:
+        raise DeltalensError(f"--group must be >= 2 (got {group}): a group of one has no spread")
+    t0 = time.perf_counter()
+    model, tok = load_model(model_spec, dtype=dtype)
+    backend = HFBackend(model, tok, chat_template=chat_template)
+    problems = task.split(split, limit)
+    max_new = max_new_tokens or task.max_new_tokens
+    prompts = problem_prompts(problems, backend.chat)
+
+    log(f"sampling {len(problems)} x {samples} at T={temperature}")
+    prog = progress_factory("probe: sampled", len(problems) * samples) if progress_factory else None
+    done = [0]
+
+    def tick(k):
+        done[0] += k
+        if prog:
+            prog(done[0], len(problems) * samples)
+
+    comps = backend.generate(prompts, SamplingParams(n=samples, temperature=temperature, max_new_tokens=max_new,
+                                                     seed=seed), progress=tick)
+    sampled = summarize(task, problems, comps, sorted({1, group, samples}), seed=seed)
+    rewards = [[task.score_problem(c, p) for c in cs] for p, cs in zip(problems, comps)]
+    groups = [r[i:i + group] for r in rewards for i in range(0, samples, group)]
+    grpo_share = sum(_distinct(g) for g in groups) / len(groups)
+    format_rate = sum(task.formatted(c) for cs in comps for c in cs) / (len(problems) * samples)
+
+    log("greedy decoding")
+    greedy_comps = backend.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new))
+    greedy = summarize(task, problems, greedy_comps, [1], seed=seed)
+
+    es = None
+    if es_populations > 0:
+        cfg = ESConfig.preset(es_preset, model=model_spec, population=es_members,
+                              prompts_per_iteration=es_prompts, max_new_tokens=max_new_tokens, seed=seed,
+                              chat_template=chat_template, **({"sigma": es_sigma} if es_sigma else {}))
+        if cfg.antithetic and es_members % 2:
+            raise DeltalensError(f"the {es_preset} ES preset uses antithetic pairs: --es-members must be even")
+        engine = ESEngine(model, tok, task, cfg)
+        pops = []
+        try:
+            for it in range(1, es_populations + 1):
+                log(f"ES population {it}/{es_populations}: {es_members} members x {es_prompts} prompts")
+                r = engine.evaluate_members(it, range(es_members), iteration_problems(task, cfg, it))
+                pops.append([r[m] for m in range(es_members)])
+        finally:
+            engine.close()
+        es = {"members": es_members, "prompts": es_prompts, "sigma": cfg.sigma, "preset": es_preset,
+              "populations": len(pops), "rewards": pops,
+              "share_with_signal": sum(_distinct(p) for p in pops) / len(pops),
+              "mean_reward_std": sum((sum((x - sum(p) / len(p)) ** 2 for x in p) / len(p)) ** 0.5
+                                     for p in pops) / len(pops)}
+    out = {
+        "model": model_spec, "task": task.name, "split": split, "n_problems": len(problems),
+        "chat_template": backend.chat, "temperature": temperature, "samples": samples, "group": group,
+        "max_new_tokens": max_new, "seed": seed,
+        "pass_at_k": sampled["pass_at_k"], "maj_at_k": sampled["maj_at_k"], "mean_reward": sampled["mean_reward"],
+        "format_rate": format_rate, "greedy_pass_at_1": greedy["pass_at_k"]["1"],
+        "greedy_mean_reward": greedy["mean_reward"],
+        "grpo": {"group": group, "groups": len(groups), "share_with_signal": grpo_share},
+        "es": es,
+        "examples": [{"prompt": prompts[i] if isinstance(prompts[i], str) else prompts[i][-1]["content"],
+                      "answer": problems[i].answer, "completion": comps[i][0], "reward": rewards[i][0]}
+                     for i in range(min(3, len(problems)))],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    out["verdict"] = verdict(grpo_share, es["share_with_signal"] if es else None)
+    return out

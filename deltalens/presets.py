@@ -1,0 +1,29 @@
+"""Per-model defaults: the task and the hyperparameter preset a model spec gets when none is given.
+
+    tiny      task `arith` (what it was SFT'd on), presets `tiny` (ESConfig / GRPOConfig.PRESETS)
+    smollm2   task SMOLLM2_TASK, presets `smollm2`; chosen on validation problems only
+              (docs/tuning.md: "SmolLM2-135M-Instruct")
+    anything else: no default task (`arith` is used), presets `paper` (the paper's settings)
+
+`deltalens eval`, `probe` and `train` use these when --task / --preset are not given; an explicit option
+always wins. Torch-free.
+"""
+
+from __future__ import annotations
+
+SMOLLM2_TASK = "add:digits=2,terms=2"
+MODELS = {
+    "tiny": {"task": "arith", "preset": "tiny"},
+    "smollm2": {"task": SMOLLM2_TASK, "preset": "smollm2"},
+}
+FALLBACK_TASK = "arith"
+
+
+def default_task(model: str | None) -> str:
+    """The task a model is evaluated/trained on when --task is not given."""
+    return MODELS.get(str(model or "tiny"), {}).get("task", FALLBACK_TASK)
+
+
+def auto_preset(model: str | None) -> str:
+    """The preset `auto` stands for: the model's own where it has one, else the paper's settings."""
+    return MODELS.get(str(model or "tiny"), {}).get("preset", "paper")
