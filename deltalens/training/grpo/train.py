@@ -75,6 +75,7 @@ from deltalens.generation import HFBackend
 from deltalens.generation.prompts import problem_prompts, uses_chat
 from deltalens.io.atomic import atomic_dir, atomic_path
 from deltalens.io.models import load_model
+from deltalens.io.quiet import quiet_transformers
 from deltalens.io.runs import RunDir, checkpoint_name
 from deltalens.io.spec import resolve
 from deltalens.tasks import CORRECT, problem_columns
@@ -452,8 +453,9 @@ def train_grpo(config: GRPOConfig, out: str | Path, resume: bool = False,
     with warnings.catch_warnings():
         # transformers/TRL deprecation notices about their own internals: nothing a user can act on
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|trl)\b")
-        trainer = _trainer_class()(model=model, reward_funcs=recorder.reward, args=args, train_dataset=dataset,
-                                   processing_class=tok, callbacks=[callback])
+        with quiet_transformers():  # TRL loads the KL reference model with from_pretrained
+            trainer = _trainer_class()(model=model, reward_funcs=recorder.reward, args=args,
+                                       train_dataset=dataset, processing_class=tok, callbacks=[callback])
         trainer.step_offset, trainer.total_steps, trainer.run_seed = start, config.steps, config.seed
         for cb in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(cb)
