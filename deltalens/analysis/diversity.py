@@ -21,12 +21,16 @@ iteration) and a task, this module measures, per held-out prompt x:
   error grows like 1/σ, this one's does not. On tiny at σ = 3e-4 with N·M·P = 384 samples: direct
   −0.0029 ± 0.0024, posterior form 0.0012 ± 0.0001 (the law predicts 0.0013 on that noise draw).
 - Verifier-projected JS: JS_succ(x) = h(p̄) − (1/N) Σ_i h(p_i), h the binary entropy (nats), p_i member
-  i's success rate on its M samples (reward == CORRECT), p̄ = mean_i p_i. Plug-in estimate: biased
-  upwards for small M (h of an M-sample frequency underestimates h(p_i)).
-- Coverage: population Pass@N with one sample per member, 1 − Π_i (1 − p_i), against the centre's
-  Pass@N with N samples, 1 − (1 − p̄_c)^N (p̄_c from `centre_samples` = N·M samples of the centre), and
-  the paper's bound 1 − Π_i (1 − p_i) ≥ 1 − (1 − p̄)^N (AM-GM; it holds for any p_i, so `holds` checks
-  the arithmetic). All plug-in values.
+  i's success rate on its M samples (reward == CORRECT), p̄ = mean_i p_i. The plug-in `js_succ` is biased
+  upwards for small M: identical members (σ = 0) still show sampling spread in their frequencies (0.075
+  nats on tiny with M = 4). `js_succ_corrected` subtracts the permutation null, the exact expectation of
+  the plug-in when the N·M outcomes are shuffled across members (`js_success_null`, hypergeometric), so
+  identical members give ~0 within sampling error.
+- Coverage: population Pass@N with one sample per member, 1 − Π_i (1 − p_i) (the product of independent
+  unbiased estimates of 1 − p_i, so unbiased), against the centre's Pass@N with N samples, estimated from
+  `centre_samples` = N·M samples of the centre with the unbiased pass@k estimator (the plug-in
+  1 − (1 − p̂)^N is biased low by about as much as the gaps it is compared with), and the paper's bound
+  1 − Π_i (1 − p_i) ≥ 1 − (1 − p̄)^N (AM-GM; it holds for any p_i, so `holds` checks the arithmetic).
 - Token entropy of the centre: mean over every response token (token-weighted, EOS position included)
   of the entropy of the centre's next-token distribution along its own samples, at the sampling
   temperature (`token_entropy`, the policy sampled) and at T = 1 (`token_entropy_t1`).
@@ -64,7 +68,8 @@ Departures / choices
 - Own sampler (`sample_responses`, HF generate, same batching and settings as `generation.HFBackend`)
   because scoring needs token ids: decoding and re-tokenising a response is not the identity for BPE
   tokenizers. Prompts are tokenised as HFBackend does, chat template setting included.
-- Plug-in success rates everywhere (coverage, JS_succ), as the paper's formulas are written.
+- The paper's formulas are written with plug-in success rates; we report the plug-in `js_succ` beside the
+  corrected one, and the unbiased estimator for the centre's coverage.
 - Additions: the posterior-entropy JS estimator, `js_se_prompts`, token entropy at T = 1, the drawn-noise
   and paired forms of the law, `cost` / `timing` / `notes` fields beside the schema's keys.
 - `members` / `sigma` default to None: the run's N / σ when an ES run and iteration are given, else 32 /
@@ -83,9 +88,11 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+from scipy.stats import hypergeom as sps_hypergeom
 
 from deltalens.analysis.document import analysis_document, model_entry
 from deltalens.errors import DeltalensError
+from deltalens.evaluation.passk import pass_at_k
 from deltalens.generation.batching import left_pad, length_batches
 from deltalens.generation.prompts import encode_prompts as generation_encode
 from deltalens.generation.prompts import problem_prompts, uses_chat
@@ -146,6 +153,21 @@ def js_success(p_members: Sequence[float]) -> float:
     """Verifier-projected JS: h(p̄) − mean_i h(p_i) (JS between the members' Bernoulli(p_i))."""
     pbar = sum(p_members) / len(p_members)
     return binary_entropy(pbar) - sum(binary_entropy(p) for p in p_members) / len(p_members)
+
+
+def js_success_null(successes: Sequence[int], samples: int) -> float:
+    """E[js_success] for *identical* members given the pooled successes: the plug-in's bias from sampling.
+
+    Members' success rates are frequencies over `samples` draws each, so even identical members show
+    spread and h(p̄) − mean h(p̂_i) > 0. Under the permutation null (the N·M outcomes shuffled across
+    members, the pooled S = Σ successes kept) a member's count is hypergeometric(N·M, S, M), so the null's
+    expectation is exact: h(S/NM) − E[h(X/M)], X ~ Hypergeom. Zero when samples = 1 has no spread either.
+    """
+    n, m = len(successes), samples
+    total, s = n * m, int(sum(successes))
+    xs = range(max(0, m - (total - s)), min(m, s) + 1)
+    pmf = sps_hypergeom(total, s, m).pmf(list(xs))
+    return binary_entropy(s / total) - float(sum(w * binary_entropy(x / m) for w, x in zip(pmf, xs)))
 
 
 def coverage(p_members: Sequence[float], p_centre: float | None = None) -> dict:
@@ -455,11 +477,15 @@ def population_divergence(population: Population, task, problems, *, samples: in
         js = js_from_logprobs(logp)
         p_members = [sum(success[i][p]) / samples for i in range(n)]
         cov = coverage(p_members, p_centre[p])
+        if p_centre[p] is not None and centre_samples >= n:  # unbiased Pass@N from the centre's samples
+            cov["centre"] = pass_at_k(centre_samples, round(p_centre[p] * centre_samples), n)
+        js_succ, js_null = js_success(p_members), js_success_null([sum(success[i][p]) for i in range(n)], samples)
         se_kinds.add(js["se_kind"])
         per_prompt.append({
             "prompt": prob.prompt, "answer": prob.answer,
             "js": js["js"], "js_se": js["js_se"], "js_mi": js["js_mi"], "js_mi_se": js["js_mi_se"],
-            "js_succ": js_success(p_members), "p_members": p_members, "p_centre": p_centre[p],
+            "js_succ": js_succ, "js_succ_null": js_null, "js_succ_corrected": js_succ - js_null,
+            "p_members": p_members, "p_centre": p_centre[p],
             "coverage_population": cov["population"], "coverage_bound_rhs": cov["bound_rhs"],
             "coverage_centre": cov["centre"], "distinct_responses": len({responses[i][p][m] for i in range(n)
                                                                           for m in range(samples)}),
@@ -482,7 +508,8 @@ def population_divergence(population: Population, task, problems, *, samples: in
                           if n_p > 1 else None),
         "js_mi_mean": mean("js_mi"), "js_mi_se": se_of_mean("js_mi_se"),
         "js_max": math.log(n),
-        "js_succ_mean": mean("js_succ"),
+        "js_succ_mean": mean("js_succ"), "js_succ_null_mean": mean("js_succ_null"),
+        "js_succ_corrected_mean": mean("js_succ_corrected"),
         "p_members_mean": sum(sum(r["p_members"]) / n for r in per_prompt) / n_p,
         "p_centre_mean": mean("p_centre"),
         "coverage_population": cov_pop, "coverage_centre": mean("coverage_centre"),

@@ -82,7 +82,7 @@ class LetterTask(Task):
         super().__init__()
         self.answer = answer
 
-    def _make_test(self):
+    def _make_split(self, name):
         return [Problem("Q: 1+1=?\nA:", self.answer)]
 
     def score_problem(self, completion, problem):
@@ -348,3 +348,23 @@ def test_small_sigma_law_on_tiny():
         assert 0.5 < r["ratio_mi"] < 1.5, r
     growth = rows[1]["js_mi_mean"] / rows[0]["js_mi_mean"]
     assert 0.75 * (1e-3 / 3e-4) ** 2 < growth < 1.25 * (1e-3 / 3e-4) ** 2
+
+
+def test_js_succ_null_removes_the_sampling_bias_of_identical_members():
+    """σ = 0 (identical members): the plug-in js_succ is positive from sampling alone; corrected ~ 0."""
+    import random
+
+    from deltalens.analysis.diversity import js_success_null
+
+    rng = random.Random(0)
+    n, m, p, trials = 8, 4, 0.4, 3000
+    plug, corrected = [], []
+    for _ in range(trials):
+        succ = [sum(rng.random() < p for _ in range(m)) for _ in range(n)]
+        rates = [s / m for s in succ]
+        plug.append(js_success(rates))
+        corrected.append(js_success(rates) - js_success_null(succ, m))
+    se = (sum((c - sum(corrected) / trials) ** 2 for c in corrected) / (trials - 1)) ** 0.5 / trials ** 0.5
+    assert sum(plug) / trials > 0.05  # the bias the issue measured (0.075 nats at M = 4)
+    assert abs(sum(corrected) / trials) < 3 * se
+    assert js_success_null([0] * 4, 4) == 0.0 and js_success_null([4] * 4, 4) == 0.0  # no spread possible

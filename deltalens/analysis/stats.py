@@ -1,0 +1,121 @@
+"""Statistics that can carry a verdict: paired differences against the base, bootstrap confidence intervals
+over problems and across seeds, and one verdict rule applied the same way to every claim.
+
+Data. For a metric m (Pass@k or Maj@k) each evaluation gives one value per test problem, m[i]. A method
+is trained with S_m seeds and the base is sampled with S_b evaluation seeds, so per problem i
+
+    d_i = mean_s m_method[s, i] - mean_t m_base[t, i]          (paired: the same problem on both sides)
+
+and the effect is mean_i d_i. Two confidence intervals (95%, percentile bootstrap):
+- over problems: problems resampled with replacement, seeds averaged (`scipy.stats.bootstrap`, paired);
+  what one seed can tell about these test problems;
+- over problems and seeds (hierarchical): each replicate resamples the problems *and*, independently, the
+  method's training seeds and the base's evaluation seeds, so the spread between training runs counts.
+  With one seed it equals the first. This is the interval verdicts use.
+
+Verdict rule (`verdict`), stated in every report: with the paper's direction +1 (raises) or -1
+(lowers), "reproduced" when the interval excludes 0 on the paper's side, "contradicted" when it excludes 0
+on the other side, "unclear" when it contains 0. Ratios (ES/GRPO distance) use 1 instead of 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from scipy import stats as sps
+
+from deltalens.errors import DeltalensError
+
+LEVEL = 0.95
+RESAMPLES = 2000
+RULE = ("reproduced: the 95% bootstrap interval (over problems and seeds) excludes {null} on the paper's side; "
+        "contradicted: it excludes {null} on the other side; unclear: it contains {null}.")
+
+
+def _matrix(values, what: str) -> np.ndarray:
+    m = np.asarray(values, dtype=float)
+    if m.ndim == 1:
+        m = m[None, :]
+    if m.ndim != 2 or m.shape[1] < 2 or not np.isfinite(m).all():
+        raise DeltalensError(f"{what}: need a (seeds x problems) table of finite values with >= 2 problems")
+    return m
+
+
+def hierarchical_bootstrap(method, base, *, resamples: int = RESAMPLES, level: float = LEVEL,
+                           seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of mean_i (mean_s method[s, i] - mean_t base[t, i]); problems, method seeds and base
+    seeds resampled independently in each replicate. `method`: (S_m, P), `base`: (S_b, P)."""
+    m, b = _matrix(method, "method"), _matrix(base, "base")
+    if m.shape[1] != b.shape[1]:
+        raise DeltalensError(f"paired comparison needs the same problems ({m.shape[1]} vs {b.shape[1]})")
+    rng = np.random.default_rng(seed)
+    n_p, s_m, s_b = m.shape[1], m.shape[0], b.shape[0]
+    out = np.empty(resamples)
+    for r in range(resamples):
+        ws = np.bincount(rng.integers(0, s_m, s_m), minlength=s_m) / s_m  # seed weights (S_m,)
+        wt = np.bincount(rng.integers(0, s_b, s_b), minlength=s_b) / s_b
+        d = ws @ m - wt @ b  # (P,) per-problem paired differences for these seeds
+        out[r] = d[rng.integers(0, n_p, n_p)].mean()
+    alpha = (1 - level) / 2
+    return float(np.quantile(out, alpha)), float(np.quantile(out, 1 - alpha))
+
+
+def problem_bootstrap(method, base, *, resamples: int = RESAMPLES, level: float = LEVEL,
+                      seed: int = 0) -> tuple[float, float]:
+    """Percentile interval over problems only (seeds averaged), scipy.stats.bootstrap on the paired data."""
+    m, b = _matrix(method, "method").mean(0), _matrix(base, "base").mean(0)
+    if np.ptp(m - b) == 0:  # every difference equal: the interval is that value
+        return float((m - b)[0]), float((m - b)[0])
+    res = sps.bootstrap((m, b), lambda x, y, axis=-1: (x - y).mean(axis=axis), paired=True,
+                        n_resamples=resamples, confidence_level=level, method="percentile",
+                        random_state=np.random.default_rng(seed), vectorized=True)
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def paired_effect(method, base, *, resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """The effect of a method on one per-problem metric against the base: estimate and both intervals."""
+    m, b = _matrix(method, "method"), _matrix(base, "base")
+    diff = m.mean(0) - b.mean(0)
+    return {"estimate": float(diff.mean()), "method": float(m.mean()), "base": float(b.mean()),
+            "ci_problems": list(problem_bootstrap(m, b, resamples=resamples, seed=seed)),
+            "ci": list(hierarchical_bootstrap(m, b, resamples=resamples, seed=seed)),
+            "seeds": int(m.shape[0]), "base_seeds": int(b.shape[0]), "problems": int(m.shape[1])}
+
+
+def seed_bootstrap(values: Sequence[float], *, resamples: int = RESAMPLES, level: float = LEVEL,
+                   seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of the mean of per-seed values (e.g. a distance ratio per seed); one value:
+    the value itself (no spread to resample)."""
+    v = np.asarray(values, dtype=float)
+    if v.size == 0 or not np.isfinite(v).all():
+        raise DeltalensError("seed_bootstrap needs finite values")
+    if v.size == 1 or np.ptp(v) == 0:
+        return float(v[0]), float(v[0])
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, (resamples, v.size))].mean(1)
+    alpha = (1 - level) / 2
+    return float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
+
+
+def verdict(ci: Sequence[float], direction: int, null: float = 0.0) -> str:
+    """reproduced / contradicted / unclear from an interval and the paper's direction (+1 raises, -1 lowers)."""
+    lo, hi = ci
+    if direction not in (1, -1):
+        raise ValueError("direction must be +1 or -1")
+    if (lo > null and direction > 0) or (hi < null and direction < 0):
+        return "reproduced"
+    if (lo > null and direction < 0) or (hi < null and direction > 0):
+        return "contradicted"
+    return "unclear"
+
+
+def rule_text(null: float = 0.0) -> str:
+    return RULE.format(null=f"{null:g}")
+
+
+def table(rows: Sequence[dict]) -> pd.DataFrame:
+    """The verdict table as a DataFrame (one row per claim check), for display and CSV export."""
+    cols = ["claim", "check", "method", "metric", "estimate", "ci_low", "ci_high", "direction", "verdict"]
+    return pd.DataFrame.from_records([{c: r.get(c) for c in cols} for r in rows], columns=cols)

@@ -1,0 +1,71 @@
+"""Statistics against known answers: bootstrap intervals on constructed cases, the verdict rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deltalens.analysis import stats
+from deltalens.errors import DeltalensError
+
+
+def test_constant_shift_gives_a_point_interval():
+    base = np.tile(np.linspace(0, 1, 50), (3, 1))
+    eff = stats.paired_effect(base + 0.1, base)
+    assert eff["estimate"] == pytest.approx(0.1)
+    assert eff["ci"] == pytest.approx([0.1, 0.1]) and eff["ci_problems"] == pytest.approx([0.1, 0.1])
+
+
+def test_problem_interval_matches_the_normal_approximation():
+    rng = np.random.default_rng(1)
+    d = rng.normal(0.05, 0.2, 2000)  # per-problem differences with a known mean and spread
+    lo, hi = stats.problem_bootstrap(d[None, :], np.zeros((1, 2000)), resamples=4000)
+    se = 0.2 / np.sqrt(2000)
+    assert (lo + hi) / 2 == pytest.approx(d.mean(), abs=0.2 * se)
+    assert hi - lo == pytest.approx(2 * 1.96 * d.std() / np.sqrt(2000), rel=0.1)
+
+
+def test_seed_spread_widens_the_hierarchical_interval():
+    rng = np.random.default_rng(0)
+    base = rng.random((1, 400))
+    # three training seeds that disagree: +0.1, 0, -0.1 on every problem
+    method = np.stack([base[0] + s for s in (0.1, 0.0, -0.1)])
+    problems_only = stats.problem_bootstrap(method, base)
+    both = stats.hierarchical_bootstrap(method, base)
+    assert problems_only[1] - problems_only[0] < 1e-9  # averaged over seeds every difference is 0
+    assert both[0] < -0.05 and both[1] > 0.05  # resampling seeds shows the runs disagree
+    assert stats.verdict(both, +1) == "unclear"
+
+
+def test_hierarchical_interval_covers_the_truth():
+    rng = np.random.default_rng(3)
+    hits = 0
+    for trial in range(40):
+        truth = 0.03
+        base = rng.random((2, 300)) < 0.4
+        method = rng.random((3, 300)) < 0.4 + truth
+        lo, hi = stats.hierarchical_bootstrap(method.astype(float), base.astype(float), resamples=600, seed=trial)
+        hits += lo <= truth <= hi
+    assert hits >= 34  # ~95% coverage, with room for 40 trials
+
+
+def test_verdict_rule():
+    assert stats.verdict((0.01, 0.05), +1) == "reproduced"
+    assert stats.verdict((0.01, 0.05), -1) == "contradicted"
+    assert stats.verdict((-0.05, -0.01), -1) == "reproduced"
+    assert stats.verdict((-0.05, 0.01), -1) == "unclear"
+    assert stats.verdict((1.5, 3.0), +1, null=1.0) == "reproduced"
+    assert stats.verdict((0.5, 3.0), +1, null=1.0) == "unclear"
+    assert "excludes 0" in stats.rule_text()
+
+
+def test_seed_bootstrap_and_errors():
+    assert stats.seed_bootstrap([10.7]) == (10.7, 10.7)
+    lo, hi = stats.seed_bootstrap([10.0, 11.0, 12.0])
+    assert 10.0 <= lo < 11.0 < hi <= 12.0
+    with pytest.raises(DeltalensError, match="same problems"):
+        stats.hierarchical_bootstrap(np.zeros((1, 3)), np.zeros((1, 4)))
+    with pytest.raises(DeltalensError, match="finite"):
+        stats.paired_effect([[np.nan, 1.0]], [[0.0, 1.0]])
+    t = stats.table([{"claim": 1, "check": "x", "verdict": "unclear"}])
+    assert list(t.columns)[0] == "claim" and t.iloc[0]["verdict"] == "unclear"
