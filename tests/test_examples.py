@@ -89,3 +89,12 @@ def test_06_population_scale(dirs):
     r, _ = run("06_population_scale.py", dirs)
     assert set(r["summary"]) == {"tiny", "large"}
     assert set(r["results"]["tiny"]) == {8, 16}
+
+
+def test_10_arithmetic_replay(dirs):
+    result, _ = run("10_arithmetic_replay.py", dirs)
+    r = result["results"]
+    assert set(r) == {"ours-fp32", "ours-bf16", "ref-fp32", "ref-bf16"}
+    assert r["ours-fp32"]["restore_drift_max"] == 0.0 and r["ours-bf16"]["restore_drift_max"] == 0.0  # exact
+    assert r["ref-bf16"]["restore_drift_max"] > 1e-3  # subtraction in bf16 leaves weights off by a bf16 step
+    assert all(sum(x["top_abs"].values()) == 100 for x in r.values())

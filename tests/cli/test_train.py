@@ -36,6 +36,7 @@ ES_TABLE = {
     "params": (["--params", "*.mlp.*,!*.bias"], ("*.mlp.*", "!*.bias")),
     "dtype": (["--dtype", "bf16"], "bf16"),
     "restore": (["--restore", "subtract"], "subtract"),
+    "arithmetic": (["--arithmetic", "reference", "--restore", "subtract"], "reference"),
     "iterations": (["--iterations", "7"], 7),
     "budget": (["--budget", "1.5M"], 1.5e6),
     "eval_every": (["--eval-every", "3"], 3),

@@ -18,6 +18,7 @@ from deltalens.training.budget import iterations_for_budget, parse_budget
 FITNESS = ("zscore", "centered_rank")
 NOISE = ("full", "lowrank")
 BACKENDS = ("local", "ray", "vllm")
+ARITHMETIC = ("deltalens", "reference")
 DEFAULT_ITERATIONS = 100
 
 
@@ -57,6 +58,9 @@ class ESConfig(Config):
                         trajectory=True)
     restore: str = option("copy", "restore after each member: copy (exact, one base copy) or subtract "
                           "(no copy, inexact)", trajectory=True)
+    arithmetic: str = option("deltalens", "noise layout and arithmetic: deltalens (a seed per tensor block, fp32, "
+                             "exact restore) or reference (Qiu et al.'s script: one seed per member for every "
+                             "tensor, weight-dtype noise and update; needs --restore subtract)", trajectory=True)
     iterations: int | None = option(None, f"ES iterations (updates), total also on resume (default "
                                     f"{DEFAULT_ITERATIONS}, or from --budget)")
     budget: float | str | None = option(None, "FLOP-matched compute units (e.g. 2e6, 1.5M): iterations = the most "
@@ -113,6 +117,10 @@ class ESConfig(Config):
             (self.dtype in ("fp32", "bf16", "fp16"), f"dtype must be fp32, bf16 or fp16 (got {self.dtype!r})"),
             (self.restore in ("copy", "subtract"), f"restore must be copy or subtract (got {self.restore!r})"),
             (self.chat_template in CHAT_MODES, f"chat_template must be auto, on or off (got {self.chat_template!r})"),
+            (self.arithmetic in ARITHMETIC, f"arithmetic must be deltalens or reference (got {self.arithmetic!r})"),
+            (self.arithmetic != "reference" or self.restore == "subtract",
+             ("--arithmetic reference restores by subtracting the noise, as the reference script does: add "
+             "--restore subtract")),
         ])
         self._resolve_iterations()
         check([
@@ -138,6 +146,9 @@ class ESConfig(Config):
              f"device must be cpu, cuda, cuda:N or auto (got {self.device!r}); set --device"),
             (self.device == "cpu" or self.backend == "local",
              f"--device {self.device} is for the local backend; ray and vllm place their own models"),
+            (self.arithmetic == "deltalens" or (self.backend == "local" and self.noise == "full"
+                                                 and self.population_batch <= 1),
+             "--arithmetic reference runs full-rank noise, member by member, on the local backend"),
             (self.backend == "local" or (self.noise == "full" and self.population_batch <= 1),
              (f"--backend {self.backend} supports only full-rank noise evaluated member by member; use "
               "--backend local for --noise lowrank or --population-batch (or drop those options)")),

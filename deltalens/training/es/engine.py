@@ -18,6 +18,8 @@ lives one block (at most 4M elements) per thread at a time.
 Where we depart from the paper / its reference code (seeds and arithmetic: `strategy`):
 - Restore by copying a base copy back (bit-exact) instead of subtracting the regenerated noise.
 - Update accumulated in fp32 over all members and rounded to the weight dtype once per iteration.
+- `arithmetic="reference"` switches all three (noise layout, dtype, restore) to the reference script's
+  (`reference`), for comparisons.
 - Options the paper does not use: antithetic pairs (ε_{2k+1} = -ε_{2k}), centered-rank fitness
   shaping, a parameter filter (globs on names), low-rank noise (`lowrank`), population-batched
   evaluation (`population`), and a held-out greedy Pass@1 every `eval_every` iterations.
@@ -42,6 +44,7 @@ from deltalens.generation import HFBackend, SamplingParams
 from deltalens.generation.prompts import problem_prompts
 from deltalens.training.es.config import ESConfig
 from deltalens.training.es.lowrank import LowRankNoise
+from deltalens.training.es.reference import ReferenceArithmetic
 from deltalens.training.es.strategy import (
     CHUNK,
     accumulate_noise,
@@ -152,6 +155,8 @@ class ESEngine:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="es-noise")
         self._tls = threading.local()  # per-thread fp32 buffers (noise, update accumulator)
         self._base: list[torch.Tensor] | None = None  # exact copies of the trained tensors (restore=copy)
+        # arithmetic="reference": Qiu et al.'s script's noise layout and arithmetic (deltalens.training.es.reference)
+        self.reference = ReferenceArithmetic(self) if config.arithmetic == "reference" else None
         self.member_buffers: dict[int, torch.Tensor] = {}  # population batching: stacked member tensors
 
     # -- noise
@@ -216,6 +221,9 @@ class ESEngine:
     @torch.no_grad()
     def perturb(self, iteration: int, member: int, timing: dict) -> None:
         """θ ← θ + sign·σ·ε_k in place."""
+        if self.reference is not None:  # the reference script's layout and arithmetic (restore subtracts)
+            self.reference.shift(iteration, member, self.config.sigma, timing)
+            return
         k, sign = member_noise(member, self.config.antithetic)
         if self.config.restore == "copy" and self._base is None:
             self._base = [p.detach().clone() for _, _, p in self.params]
@@ -229,6 +237,9 @@ class ESEngine:
             for (_, _, p), b in zip(self.params, self._base):
                 p.copy_(b)
             timing["perturb_restore_s"] += time.perf_counter() - t0
+            return
+        if self.reference is not None:
+            self.reference.shift(iteration, member, -self.config.sigma, timing)
             return
         k, sign = member_noise(member, self.config.antithetic)
         self._shift_all(iteration, k, -sign * self.config.sigma, timing)
@@ -268,6 +279,8 @@ class ESEngine:
         """θ ← θ + (α/N) Σ_i z_i ε_i: per block, one pass over the noise vectors into an fp32
         accumulator, rounded to the weight dtype once. Returns timings and the update's RMS."""
         cfg = self.config
+        if self.reference is not None:
+            return self.reference.update(iteration, z)
         coeff = noise_coefficients(z, self.n_noise, cfg.antithetic)
         scale = cfg.alpha / cfg.population
 
