@@ -68,4 +68,4 @@ def test_seed_bootstrap_and_errors():
     with pytest.raises(DeltalensError, match="finite"):
         stats.paired_effect([[np.nan, 1.0]], [[0.0, 1.0]])
     t = stats.table([{"claim": 1, "check": "x", "verdict": "unclear"}])
-    assert list(t.columns)[0] == "claim" and t.iloc[0]["verdict"] == "unclear"
+    assert t.columns[0] == "claim" and t.iloc[0]["verdict"] == "unclear"
