@@ -17,6 +17,7 @@ from .diversity import diversity
 from .eval import eval_cmd
 from .probe import probe_cmd
 from .report import render, report
+from .study import study
 
 app = typer.Typer(
     name="deltalens",
@@ -45,6 +46,7 @@ app.command("demo")(common.guard(demo))
 app.add_typer(train_cmds.app, name="train")
 app.command("eval")(common.guard(eval_cmd))
 app.command("probe")(common.guard(probe_cmd))
+app.command("study")(common.guard(study))
 app.command("diff")(common.guard(diff_cmd))
 app.command("sparsify")(common.guard(sparsify_cmd))
 app.command("diversity")(common.guard(diversity))

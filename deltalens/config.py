@@ -226,6 +226,8 @@ def coerce(value: Any, tp: Any, name: str, source: str) -> Any:
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():  # items of a comma-separated list
+            return int(value)
         raise bad
     if inner is float:
         if isinstance(value, (int, float)):

@@ -26,6 +26,7 @@ from ..schema import SCHEMA_VERSION, check_version
 from .common import Context, esc
 from .figures import BUILDERS, TEMPLATE, Figure
 from .tables import (
+    claims_table,
     held_out_table,
     inputs_table,
     per_problem_table,
@@ -181,6 +182,7 @@ def build_html(analysis: dict, *, rendered_at: _dt.datetime | None = None) -> st
             fig.after_html = _safe(per_prompt_table, ctx, problems)
 
     held = _safe(held_out_table, ctx, problems) if _present(analysis, "held_out") else None
+    claims = _safe(claims_table, ctx, problems) if _present(analysis, "study") else None
     absent = [k for k in SECTIONS if not _present(analysis, k)]
 
     body: list[str] = []
@@ -197,7 +199,8 @@ def build_html(analysis: dict, *, rendered_at: _dt.datetime | None = None) -> st
         f'<h1>What changed: {esc(models)} <span class="vs">vs</span> {esc(ctx.base_label)}</h1>'
         '<dl class="meta">' + "".join(f"<div><dt>{esc(k)}</dt><dd>{esc(v)}</dd></div>" for k, v in meta_items)
         + "</dl></header>")
-    toc = [("sec-summary", "Summary")] + [(f"sec-{f.id}", f.title) for f in figures]
+    toc = [("sec-summary", "Summary")] + ([("sec-claims", "Claims")] if claims else []) + [
+        (f"sec-{f.id}", f.title) for f in figures]
     if held is not None:
         toc.append(("sec-heldout", "Forgetting"))
     body.append('<nav class="toc" aria-label="Sections">'
@@ -219,6 +222,11 @@ def build_html(analysis: dict, *, rendered_at: _dt.datetime | None = None) -> st
     summary.append('<details class="more"><summary>Inputs</summary>' + _safe(inputs_table, ctx, problems)
                    + "</details></section>")
     body.append("\n".join(summary))
+    if claims:
+        body.append('<section class="card" id="sec-claims"><h2>Claims of arXiv 2608.27351: verdicts</h2>'
+                    '<p class="caption">Each claim is tested as directional checks, every one with a 95% bootstrap '
+                    'interval (over test problems and, where there are several, training seeds).</p>'
+                    + claims + "</section>")
     body += [_figure_section(f) for f in figures]
     if held is not None:
         body.append('<section class="card" id="sec-heldout"><h2>Forgetting on held-out tasks</h2>'

@@ -109,6 +109,39 @@ def warnings_list(ctx: Context) -> str:
     return f'<div class="warn"><b>Warnings from <code>deltalens diff</code></b><ul>{"".join(items)}</ul></div>'
 
 
+VERDICT_CLASS = {"reproduced": "up", "contradicted": "down", "mixed": "flat", "unclear": "flat"}
+
+
+def _ci(c: dict) -> str:
+    lo, hi = num(c.get("ci_low")), num(c.get("ci_high"))
+    return "—" if lo is None or hi is None else f"[{fmt_g(lo)}, {fmt_g(hi)}]"
+
+
+def claims_table(ctx: Context) -> str | None:
+    """The study's verdicts: one row per claim, then its checks (estimate, 95% interval, paper's direction)."""
+    study = as_dict(ctx.analysis.get("study"))
+    claims = as_list(study.get("claims"))
+    if not claims:
+        return None
+    rows = []
+    for cl in claims:
+        cl = as_dict(cl)
+        v = str(cl.get("verdict"))
+        rows.append(f'<tr class="claim"><th scope="row" colspan="4">({esc(cl.get("id"))}) {esc(cl.get("title"))}</th>'
+                    f'<td><span class="delta {VERDICT_CLASS.get(v, "flat")}">{esc(v)}</span></td></tr>')
+        for c in as_list(cl.get("checks")):
+            c = as_dict(c)
+            cv = str(c.get("verdict"))
+            null = num(c.get("null")) or 0.0
+            rows.append(f'<tr><td>{esc(c.get("check"))}</td><td class="num">{esc(fmt_g(c.get("estimate")))}</td>'
+                        f'<td class="num">{esc(_ci(c))}</td>'
+                        f'<td class="num">{esc(c.get("direction"))} vs {esc(fmt_g(null))}</td>'
+                        f'<td><span class="delta {VERDICT_CLASS.get(cv, "flat")}">{esc(cv)}</span></td></tr>')
+    head = "".join(f"<th>{h}</th>" for h in ("Check", "Estimate", "95% interval", "Paper's direction", "Verdict"))
+    rule = f'<p class="caption">{esc(study.get("rule"))}</p>' if study.get("rule") else ""
+    return f'{rule}<table class="data"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+
+
 def held_out_table(ctx: Context) -> str | None:
     held = as_dict(ctx.analysis.get("held_out"))
     entries = [(k, b) for k, b in ctx.with_base(held) if isinstance(held[k], dict)]

@@ -22,7 +22,7 @@ LAYERS = [
     ("deltalens.evaluation",),
     ("deltalens.training",),
     ("deltalens.analysis",),
-    ("deltalens.demo",),
+    ("deltalens.study", "deltalens.demo"),
     ("deltalens.cli",),
 ]
 

@@ -725,7 +725,7 @@ def load_population(model_spec: str, task, *, members: int | None = None, sigma:
         if members is not None and members != cfg.population:
             notes.append(f"members {members} differs from the run's {cfg.population}: the noise is not the "
                          "run's (noise seeds are counted over N)")
-        cfg = dataclasses.replace(cfg, population=members or cfg.population, population_batch=0,
+        cfg = dataclasses.replace(cfg, population=members or cfg.population, population_batch=0, budget=None,
                                   sigma=cfg.sigma if sigma is None or sigma == 0 else sigma)
         if cfg.restore == "subtract":
             notes.append("the run restored members by subtraction (inexact), so its members carried rounding "

@@ -149,6 +149,63 @@ def apply_threshold(base_sd: dict[str, torch.Tensor], ckpt_sd: dict[str, torch.T
     return {k: out[k] for k in ckpt_sd if k in out}, stats
 
 
+def _deltas(base_sd, ckpt_sd):
+    """(name, base, ckpt, Δ float32) of every float tensor both hold, tied names once."""
+    alias = {m: g[0] for g in DictSource(ckpt_sd).tied() for m in g[1:]}
+    for name, c in ckpt_sd.items():
+        b = base_sd.get(name)
+        if name in alias or b is None or not (b.is_floating_point() and c.is_floating_point()):
+            continue
+        if b.shape != c.shape:
+            raise DeltalensError(f"{name} has shape {list(b.shape)} in the base but {list(c.shape)} "
+                                 "in the checkpoint: is it the right base?")
+        yield name, b, c, c.float() - b.float()
+
+
+def _retie(out: dict, ckpt_sd: dict) -> dict:
+    for g in DictSource(ckpt_sd).tied():
+        for m in g[1:]:
+            if g[0] in out:
+                out[m] = out[g[0]]
+    return {k: out.get(k, v) for k, v in ckpt_sd.items()}
+
+
+def random_mask(base_sd: dict[str, torch.Tensor], ckpt_sd: dict[str, torch.Tensor], sparsity: float,
+                seed: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
+    """Control for `apply_threshold` at equal sparsity: reset a uniformly random share `sparsity` of the
+    changed coordinates (each independently, seeded), whatever their size."""
+    if not 0 <= sparsity <= 1:
+        raise DeltalensError(f"sparsity must be in [0, 1] (got {sparsity})")
+    gen = torch.Generator().manual_seed(seed)
+    out, changed, reset, sq_all, sq_kept = {}, 0, 0, 0.0, 0.0
+    for name, b, c, d in _deltas(base_sd, ckpt_sd):
+        fin = torch.isfinite(d)
+        ch = (d != 0) & fin
+        r = ch & (torch.rand(d.shape, generator=gen) < sparsity)
+        changed, reset = changed + int(ch.sum()), reset + int(r.sum())
+        d = torch.where(fin, d, 0.0)
+        sq_all += float(d.square().sum())
+        sq_kept += float(torch.where(r, 0.0, d).square().sum())
+        out[name] = torch.where(r, b.to(c.dtype), c)
+    stats = {"control": "random_mask", "sparsity": reset / changed if changed else 0.0,
+             "kept_l2_frac": math.sqrt(sq_kept / sq_all) if sq_all > 0 else None, "n_changed": changed,
+             "n_reset": reset, "seed": seed}
+    return _retie(out, ckpt_sd), stats
+
+
+def uniform_shrink(base_sd: dict[str, torch.Tensor], ckpt_sd: dict[str, torch.Tensor],
+                   scale: float) -> tuple[dict[str, torch.Tensor], dict]:
+    """Control for `apply_threshold` at equal norm: θ0 + scale·Δ everywhere (no coordinate is reset), with
+    `scale` the thresholded update's kept_l2_frac, so both keep the same ||Δ||."""
+    if not 0 <= scale <= 1:
+        raise DeltalensError(f"scale must be in [0, 1] (got {scale})")
+    out = {}
+    for name, b, c, d in _deltas(base_sd, ckpt_sd):
+        fin = torch.isfinite(d)
+        out[name] = torch.where(fin, (b.float() + scale * torch.where(fin, d, 0.0)).to(c.dtype), c)
+    return _retie(out, ckpt_sd), {"control": "uniform_shrink", "kept_l2_frac": scale}
+
+
 def gain_retained(p: float | None, p_base: float | None, p_full: float | None) -> float | None:
     """(p - p_base) / (p_full - p_base); None when there is no gain to retain or a value is missing."""
     if p is None or p_base is None or p_full is None or p_full - p_base <= 0:

@@ -30,8 +30,11 @@ from deltalens.errors import DeltalensError
 
 LEVEL = 0.95
 RESAMPLES = 2000
-RULE = ("reproduced: the 95% bootstrap interval (over problems and seeds) excludes {null} on the paper's side; "
-        "contradicted: it excludes {null} on the other side; unclear: it contains {null}.")
+RULE = ("Each check: reproduced when its 95% bootstrap interval (over test problems and training seeds) lies "
+        "entirely on the paper's side of the null (0 for a difference, 1 or 40 for a distance ratio, 0.5 for a "
+        "share of a gain), contradicted when it lies entirely on the other side, unclear when it contains the "
+        "null. A claim is reproduced when all its checks are, contradicted when all are, mixed when some are, "
+        "unclear otherwise.")
 
 
 def _matrix(values, what: str) -> np.ndarray:
@@ -84,6 +87,30 @@ def paired_effect(method, base, *, resamples: int = RESAMPLES, seed: int = 0) ->
             "seeds": int(m.shape[0]), "base_seeds": int(b.shape[0]), "problems": int(m.shape[1])}
 
 
+def gain_ratio(method, reference, base, *, resamples: int = RESAMPLES, level: float = LEVEL,
+               seed: int = 0) -> tuple[float, tuple[float, float]]:
+    """Share of a reference's gain a method keeps: (mean(method) - mean(base)) / (mean(reference) - mean(base)),
+    with a hierarchical percentile interval (problems and each side's seeds resampled). Replicates whose
+    reference gain is not positive are dropped; the interval is (nan, nan) when most are."""
+    a, r, b = _matrix(method, "method"), _matrix(reference, "reference"), _matrix(base, "base")
+    if not a.shape[1] == r.shape[1] == b.shape[1]:
+        raise DeltalensError("gain_ratio needs the same problems on every side")
+    gain = r.mean() - b.mean()
+    est = float((a.mean() - b.mean()) / gain) if gain > 0 else float("nan")
+    rng = np.random.default_rng(seed)
+    n_p = a.shape[1]
+    vals = []
+    for _ in range(resamples):
+        idx = rng.integers(0, n_p, n_p)
+        pick = [x[rng.integers(0, x.shape[0], x.shape[0])][:, idx].mean() for x in (a, r, b)]
+        if pick[1] - pick[2] > 0:
+            vals.append((pick[0] - pick[2]) / (pick[1] - pick[2]))
+    if len(vals) < resamples / 2:
+        return est, (float("nan"), float("nan"))
+    alpha = (1 - level) / 2
+    return est, (float(np.quantile(vals, alpha)), float(np.quantile(vals, 1 - alpha)))
+
+
 def seed_bootstrap(values: Sequence[float], *, resamples: int = RESAMPLES, level: float = LEVEL,
                    seed: int = 0) -> tuple[float, float]:
     """Percentile interval of the mean of per-seed values (e.g. a distance ratio per seed); one value:
@@ -100,8 +127,11 @@ def seed_bootstrap(values: Sequence[float], *, resamples: int = RESAMPLES, level
 
 
 def verdict(ci: Sequence[float], direction: int, null: float = 0.0) -> str:
-    """reproduced / contradicted / unclear from an interval and the paper's direction (+1 raises, -1 lowers)."""
+    """reproduced / contradicted / unclear from an interval and the paper's direction (+1 raises, -1 lowers);
+    an undefined interval (NaN: e.g. no gain to keep a share of) is unclear."""
     lo, hi = ci
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "unclear"
     if direction not in (1, -1):
         raise ValueError("direction must be +1 or -1")
     if (lo > null and direction > 0) or (hi < null and direction < 0):
@@ -111,11 +141,11 @@ def verdict(ci: Sequence[float], direction: int, null: float = 0.0) -> str:
     return "unclear"
 
 
-def rule_text(null: float = 0.0) -> str:
-    return RULE.format(null=f"{null:g}")
+def rule_text() -> str:
+    return RULE
 
 
 def table(rows: Sequence[dict]) -> pd.DataFrame:
     """The verdict table as a DataFrame (one row per claim check), for display and CSV export."""
-    cols = ["claim", "check", "method", "metric", "estimate", "ci_low", "ci_high", "direction", "verdict"]
+    cols = ["claim", "check", "method", "metric", "estimate", "ci_low", "ci_high", "direction", "null", "verdict"]
     return pd.DataFrame.from_records([{c: r.get(c) for c in cols} for r in rows], columns=cols)

@@ -136,7 +136,8 @@ def summarize(task: Task, problems: list[Problem], completions: list[list[str]],
             maj_sum[k - 1] += maj[k - 1]
         majority = Counter(a for a in answers if a is not None).most_common(1)
         row = {"prompt": p.prompt, "answer": p.answer, "correct": c, "n": n, "formatted": formatted,
-               "majority": majority[0][0] if majority else None}
+               "majority": majority[0][0] if majority else None,
+               "maj_at_k": {str(k): maj[k - 1] for k in ks}}  # per problem, for paired statistics
         if keep_completions:
             row["completions"] = comps[:keep_completions]
         per_problem.append(row)

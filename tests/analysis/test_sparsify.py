@@ -191,3 +191,21 @@ def test_cli_sparsify(tmp_path, monkeypatch):
     assert seen[0] == (str(b), "arith", 4, (1, 4), 3)
     res = CliRunner().invoke(app, ["sparsify", str(c), "--base", str(b), "--sparsity", "0.5,x"])
     assert res.exit_code == 2 and "comma-separated" in res.output
+
+
+def test_controls_match_the_threshold_in_sparsity_and_norm():
+    from deltalens.analysis.sparsify import random_mask, uniform_shrink
+
+    base, ckpt = _pair(0)
+    tau = thresholds_for_sparsity(base, ckpt, [0.9])[0]
+    thr, st = apply_threshold(base, ckpt, tau)
+    rnd, rs = random_mask(base, ckpt, st["sparsity"], seed=1)
+    assert rs["sparsity"] == pytest.approx(st["sparsity"], abs=0.01)
+    # dropping the 90% smallest changes keeps far more of the norm than dropping a random 90%
+    assert rs["kept_l2_frac"] < st["kept_l2_frac"]
+    shr, _ = uniform_shrink(base, ckpt, st["kept_l2_frac"])
+    floats = [k for k in base if base[k].dtype == torch.float32]
+    norm = sum(float((shr[k].float() - base[k].float()).square().sum()) for k in floats) ** 0.5
+    full = sum(float((ckpt[k].float() - base[k].float()).square().sum()) for k in floats) ** 0.5
+    assert norm == pytest.approx(st["kept_l2_frac"] * full, rel=1e-3)
+    assert torch.equal(shr["pos"], ckpt["pos"]) and torch.equal(rnd["pos"], ckpt["pos"])

@@ -56,7 +56,7 @@ def test_verdict_rule():
     assert stats.verdict((-0.05, 0.01), -1) == "unclear"
     assert stats.verdict((1.5, 3.0), +1, null=1.0) == "reproduced"
     assert stats.verdict((0.5, 3.0), +1, null=1.0) == "unclear"
-    assert "excludes 0" in stats.rule_text()
+    assert "paper's side of the null" in stats.rule_text()
 
 
 def test_seed_bootstrap_and_errors():
@@ -69,3 +69,13 @@ def test_seed_bootstrap_and_errors():
         stats.paired_effect([[np.nan, 1.0]], [[0.0, 1.0]])
     t = stats.table([{"claim": 1, "check": "x", "verdict": "unclear"}])
     assert t.columns[0] == "claim" and t.iloc[0]["verdict"] == "unclear"
+
+
+def test_gain_ratio_known_answer():
+    base = np.zeros((1, 200))
+    ref = np.full((2, 200), 0.4)
+    est, ci = stats.gain_ratio(np.full((2, 200), 0.3), ref, base, resamples=300)
+    assert est == pytest.approx(0.75) and ci == pytest.approx((0.75, 0.75))
+    assert stats.verdict(ci, +1, null=0.5) == "reproduced"
+    est, ci = stats.gain_ratio(np.full((1, 200), 0.3), base, base, resamples=300)  # no gain to keep a share of
+    assert np.isnan(est) and stats.verdict(ci, +1, null=0.5) == "unclear"

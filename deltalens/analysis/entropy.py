@@ -1,0 +1,30 @@
+"""Token entropy of a policy along its own samples: does fine-tuning collapse the next-token distribution?
+
+For each problem x, `samples` responses y ~ π_T(·|x) are drawn (the same sampler and scorer as the
+diversity analysis: token ids, never re-tokenised text), and along each response the entropy of the
+next-token distribution softmax(logits / T) is summed over the response positions (EOS included). The
+per-problem value is the token-weighted mean, H(x) = Σ_y Σ_t H_t / Σ_y |y|, in nats per token. Paired
+per-problem values of a model and its base feed `deltalens.analysis.stats.paired_effect` (arXiv
+2608.27351: GRPO sharpens the policy, ES does not).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltalens.analysis.diversity import _seed, encode_prompts, sample_responses, sequence_logprobs
+from deltalens.generation.prompts import problem_prompts, uses_chat
+
+
+@torch.no_grad()
+def token_entropy(model, tok, problems, *, samples: int = 4, temperature: float = 0.6,
+                  max_new_tokens: int = 64, seed: int = 0, chat_template: str = "auto") -> list[float]:
+    """Per problem: the mean next-token entropy (nats) at `temperature` along `samples` own samples."""
+    chat = uses_chat(tok, chat_template)
+    prompt_ids = encode_prompts(tok, problem_prompts(problems, chat), chat_template)
+    resp = sample_responses(model, tok, prompt_ids, samples, temperature=temperature, max_new_tokens=max_new_tokens,
+                            seed=_seed(seed, "entropy"))
+    items = [(p, y) for p in range(len(problems)) for y in resp[p]]
+    sc = sequence_logprobs(model, prompt_ids, items, temperature, entropy=True)
+    ent, tokens = sc["entropy"].view(len(problems), samples), sc["tokens"].view(len(problems), samples)
+    return (ent.sum(1) / tokens.sum(1).clamp(min=1)).tolist()

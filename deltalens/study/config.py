@@ -1,0 +1,67 @@
+"""`StudyConfig`: the settings of `deltalens study` (one help line each; CLI options generated from it).
+Torch-free, so the CLI builds its options without loading the trainers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from deltalens.config import Config, check, option
+from deltalens.presets import default_task
+from deltalens.training.budget import parse_budget
+
+METHODS = ("es", "grpo", "es-grpo", "grpo-es")
+
+
+@dataclass
+class StudyConfig(Config):
+    """Settings of a study (one help line each; `deltalens study --help`)."""
+
+    METHOD: ClassVar[str] = "study"
+    NAME: ClassVar[str] = "study"
+
+    model: str = option("tiny", "base model spec", cli=False)
+    task: str | None = option(None, "task spec (default: the model's own, else arith)", flags=("-t",))
+    methods: tuple[str, ...] = option(("es", "grpo", "es-grpo"), "methods, comma-separated: es, grpo, es-grpo, "
+                                      "grpo-es")
+    seeds: tuple[int, ...] = option((0, 1, 2), "training seeds of every method, comma-separated")
+    budget: float | str | None = option(None, "FLOP-matched units per method (default: 20 ES iterations of the "
+                                        "model's ES preset)")
+    preset: str = option("auto", "hyperparameter preset of every run: auto (the model's own), paper, tiny, ...")
+    base_seeds: int = option(3, "sampling seeds of the base model's evaluation")
+    limit: int | None = option(None, "test problems evaluated (default: the whole test split)")
+    samples: int = option(32, "samples per problem (the paper's 32)", flags=("-n",))
+    temperature: float = option(0.6, "evaluation sampling temperature (the paper's 0.6)")
+    ks: tuple[int, ...] = option((1, 16, 32), "K values of Pass@K and Maj@K")
+    sparsity: tuple[float, ...] = option((0.5, 0.9, 0.99), "target sparsities of the thresholding (claim 3)")
+    sparsify_samples: int = option(8, "samples per problem of the sparsity evaluations (Pass@1)")
+    diversity_members: int = option(8, "ES population size of the diversity measurement (claim 7)")
+    diversity_prompts: int = option(16, "test prompts of the diversity measurement")
+    entropy_prompts: int = option(100, "test prompts of the token-entropy measurement (claim 6)")
+    held_out: tuple[str, ...] = option((), "held-out tasks evaluated for forgetting, comma-separated (e.g. arith-3)")
+    chat_template: str = option("auto", "prompts through the tokenizer's chat template: auto, on, off")
+    resamples: int = option(2000, "bootstrap resamples of every interval")
+
+    def __post_init__(self):
+        self.methods, self.seeds, self.ks = tuple(self.methods), tuple(self.seeds), tuple(sorted(set(self.ks)))
+        self.sparsity, self.held_out = tuple(self.sparsity), tuple(self.held_out)
+        check([
+            (bool(self.methods) and set(self.methods) <= set(METHODS),
+             f"--methods must be among {', '.join(METHODS)} (got {','.join(self.methods)})"),
+            (len(set(self.methods)) == len(self.methods), "--methods lists a method twice"),
+            (bool(self.seeds) and len(set(self.seeds)) == len(self.seeds), "--seeds must be distinct integers"),
+            (self.base_seeds >= 1, f"--base-seeds must be >= 1 (got {self.base_seeds})"),
+            (self.limit is None or self.limit >= 2, f"--limit must be >= 2 (got {self.limit})"),
+            (self.samples >= 1 and max(self.ks) <= self.samples and min(self.ks) >= 1,
+             f"--ks must lie in 1..--samples {self.samples} (got {list(self.ks)})"),
+            (math.isfinite(self.temperature) and self.temperature > 0, "--temperature must be > 0 (sampling)"),
+            (all(0 < s < 1 for s in self.sparsity), "--sparsity values must lie in (0, 1)"),
+            (self.sparsify_samples >= 1 and self.diversity_members >= 2 and self.diversity_prompts >= 1
+             and self.entropy_prompts >= 1, "sample, member and prompt counts must be positive (members >= 2)"),
+            (self.resamples >= 100, f"--resamples must be >= 100 (got {self.resamples})"),
+        ])
+        if self.budget is not None:
+            self.budget = parse_budget(self.budget)
+        if self.task is None:
+            self.task = default_task(self.model)

@@ -1,0 +1,463 @@
+"""`deltalens study`: the paper's question on one model and task, with statistics that carry a verdict.
+
+    deltalens study smollm2 --methods es,grpo,es-grpo --seeds 0,1,2 --budget 2e6 --out studies/smollm2
+
+For every method and seed it trains a run at one FLOP-matched budget (`deltalens.training.budget`;
+resumable: a rerun skips finished runs and resumes killed ones), then measures, each result cached by the
+content hash of what it depends on (a rerun recomputes nothing that is done):
+
+    evaluations  the base (several sampling seeds) and every run on the test split, the paper's settings
+                 (32 samples, T = 0.6), per-problem Pass@k and Maj@k
+    distances    the weight diff of every run (rel. L2 from init, top-100 coordinates by |Δ| and |Δ|/|θ0|)
+    sparsity     each ES / GRPO run of the first seed thresholded at target sparsities (one global τ), with
+                 two controls at equal sparsity: a random mask, and a uniform shrink of Δ to the same norm
+    diversity    the population of the first ES run around its final weights (JS, corrected JS of success,
+                 coverage against the centre)
+    entropy      token entropy of every model along its own samples
+
+and tests each claim of arXiv 2608.27351 as a set of directional checks with bootstrap intervals
+(`deltalens.analysis.stats`; the rule is stated in the report). Output: DIR/analysis.json (valid against
+the schema, with the verdict table under `study`), DIR/report.html, DIR/verdicts.csv.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from deltalens.analysis import stats
+from deltalens.analysis.delta import diff_checkpoints
+from deltalens.analysis.document import analysis_document, model_entry
+from deltalens.analysis.report import Cache, training_section, weights_hash
+from deltalens.errors import DeltalensError
+from deltalens.evaluation import evaluate
+from deltalens.evaluation.passk import pass_at_k
+from deltalens.io.atomic import write_json_atomic
+from deltalens.io.models import apply_state_dict, load_model
+from deltalens.io.runs import RunDir
+from deltalens.presets import auto_preset
+from deltalens.study.config import StudyConfig
+from deltalens.tasks import get_task
+from deltalens.training.budget import es_units
+from deltalens.training.chain import stage_configs, train_chain
+from deltalens.training.es.config import ESConfig
+from deltalens.training.es.train import train_es
+from deltalens.training.grpo.config import GRPOConfig
+from deltalens.training.grpo.train import train_grpo
+
+NORM_ATTN = ("norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o", "attn_bias")
+EMBED_HEAD = ("embed", "lm_head")
+Log = Callable[[str], None]
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+def _preset(cfg: StudyConfig) -> str:
+    return auto_preset(cfg.model) if cfg.preset == "auto" else cfg.preset
+
+
+def study_budget(cfg: StudyConfig) -> float:
+    """The units every method gets: --budget, else 20 iterations of the model's ES preset."""
+    if cfg.budget is not None:
+        return float(cfg.budget)
+    es = ESConfig.preset(_preset(cfg))
+    return float(es_units(20, es.prompts_per_iteration, es.population))
+
+
+def run_plan(cfg: StudyConfig, out: Path) -> list[dict]:
+    """Every (method, seed) run: its directory and the configs it trains with (nothing is trained here)."""
+    preset, budget = _preset(cfg), study_budget(cfg)
+    common = {"model": cfg.model, "task": cfg.task, "chat_template": cfg.chat_template}
+    plan = []
+    for method in cfg.methods:
+        for seed in cfg.seeds:
+            d = out / "runs" / f"{method}-s{seed}"
+            es = ESConfig.resolve(preset=preset, given={**common, "seed": seed, "budget": budget})
+            gr = GRPOConfig.resolve(preset=preset, given={**common, "seed": seed, "budget": budget})
+            if method == "es":
+                total, configs = es.iterations, {"es": es}
+            elif method == "grpo":
+                total, configs = gr.steps, {"grpo": gr}
+            else:
+                stages = method.split("-")
+                es_s = ESConfig.resolve(preset=preset, given={**common, "seed": seed})
+                gr_s = GRPOConfig.resolve(preset=preset, given={**common, "seed": seed})
+                cfgs = stage_configs(d, stages, cfg.model, cfg.task, {"es": es_s, "grpo": gr_s}, {}, budget)
+                total = sum(c.iterations if m == "es" else c.steps for m, c in zip(stages, cfgs))
+                configs = {"es": es_s, "grpo": gr_s}
+            plan.append({"method": method, "seed": seed, "label": f"{method}-s{seed}", "dir": d, "total": total,
+                         "configs": configs})
+    return plan
+
+
+def train_runs(cfg: StudyConfig, plan: list[dict], log: Log, progress_factory=None) -> None:
+    """Train what is not finished: new runs start, killed runs resume from their last checkpoint."""
+    budget = study_budget(cfg)
+    for r in plan:
+        run = RunDir(r["dir"])
+        if run.finished(r["total"]):
+            log(f"{r['label']}: done")
+            continue
+        again = (r["dir"] / "config.json").exists()
+        log(f"{r['label']}: {'resuming' if again else 'training'} ({r['total']} iterations/steps)")
+        bar = progress_factory(f"train {r['label']}", r["total"]) if progress_factory else None
+        prog = (lambda done, total, row=None, b=bar: b(done, total)) if bar else None
+        if r["method"] == "es":
+            train_es(r["configs"]["es"], r["dir"], resume=again, progress=prog)
+        elif r["method"] == "grpo":
+            train_grpo(r["configs"]["grpo"], r["dir"], resume=again, progress=prog)
+        else:
+            train_chain(r["dir"], r["method"].split("-"), model=cfg.model, task=cfg.task, budget=budget,
+                        es_config=r["configs"]["es"], grpo_config=r["configs"]["grpo"], resume=again,
+                        progress=prog)
+
+
+# ------------------------------------------------------------------------------------------- measures
+
+
+class Measures:
+    """Cached measurements of the study's models (results keyed by content hash in DIR/cache)."""
+
+    def __init__(self, cfg: StudyConfig, out: Path, log: Log, progress_factory=None):
+        self.cfg, self.log, self.progress_factory = cfg, log, progress_factory
+        self.cache = Cache(out / "cache")
+        self.task = get_task(cfg.task)
+        self.hashes: dict[str, str] = {}
+        self._loaded: dict = {}
+
+    def hash(self, spec: str) -> str:
+        if spec not in self.hashes:
+            self.hashes[spec] = weights_hash(spec)
+        return self.hashes[spec]
+
+    def model(self, spec: str):
+        if spec not in self._loaded:
+            self._loaded.clear()  # one model in memory at a time
+            self._loaded[spec] = load_model(spec)
+        return self._loaded[spec]
+
+    def evaluation(self, spec: str, label: str, seed: int, samples: int | None = None, task=None) -> dict:
+        cfg = self.cfg
+        task = task or self.task
+        samples = samples or cfg.samples
+        ks = [k for k in cfg.ks if k <= samples] or [1]
+        key = self.cache.key("study-eval", weights=self.hash(spec), task=task.name, samples=samples, ks=ks,
+                             temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template)
+
+        def compute():
+            model, tok = self.model(spec)
+            n = len(task.test(cfg.limit)) * samples
+            prog = self.progress_factory(f"eval {label} on {task.name} (seed {seed})", n) \
+                if self.progress_factory else None
+            return evaluate(model, tok, task, samples=samples, ks=ks, temperature=cfg.temperature,
+                            limit=cfg.limit, seed=seed, progress=prog, chat_template=cfg.chat_template)
+
+        return self.cache.get_or_compute(key, compute, self.log)
+
+    def state_dict_pass1(self, base: str, sd: dict, tag: str, seed: int = 0) -> list[float]:
+        """Per-problem Pass@1 of `sd` applied onto the base architecture (sparsity evaluations)."""
+        cfg = self.cfg
+        key = self.cache.key("study-sparse-eval", weights=tag, task=self.task.name, samples=cfg.sparsify_samples,
+                             temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template)
+
+        def compute():
+            model, tok = self.model(base)
+            apply_state_dict(model, sd, source="sparsified weights")
+            self._loaded.clear()  # the loaded model now holds other weights
+            res = evaluate(model, tok, self.task, samples=cfg.sparsify_samples, ks=[1], temperature=cfg.temperature,
+                           limit=cfg.limit, seed=seed, chat_template=cfg.chat_template)
+            return {"pass1": [r["correct"] / r["n"] for r in res["per_problem"]]}
+
+        return self.cache.get_or_compute(key, compute, self.log)["pass1"]
+
+    def entropy(self, spec: str) -> list[float]:
+        from deltalens.analysis.entropy import token_entropy
+
+        cfg = self.cfg
+        key = self.cache.key("study-entropy", weights=self.hash(spec), task=self.task.name,
+                             prompts=cfg.entropy_prompts, temperature=cfg.temperature, chat=cfg.chat_template)
+
+        def compute():
+            model, tok = self.model(spec)
+            problems = self.task.test(cfg.entropy_prompts)
+            return {"entropy": token_entropy(model, tok, problems, samples=4, temperature=cfg.temperature,
+                                             max_new_tokens=self.task.max_new_tokens,
+                                             chat_template=cfg.chat_template)}
+
+        return self.cache.get_or_compute(key, compute, self.log)["entropy"]
+
+
+def per_problem(ev: dict, metric: str, k: int) -> list[float]:
+    """Per-problem Pass@k (unbiased estimator) or Maj@k from an evaluation's per_problem rows."""
+    if metric == "pass":
+        return [pass_at_k(r["n"], r["correct"], k) for r in ev["per_problem"]]
+    return [r["maj_at_k"][str(k)] for r in ev["per_problem"]]
+
+
+# ------------------------------------------------------------------------------------------- claims
+
+
+def _check(claim: int, check: str, method: str, metric: str, est: float, ci, direction: int,
+           null: float = 0.0, **extra) -> dict:
+    return {"claim": claim, "check": check, "method": method, "metric": metric, "estimate": est,
+            "ci_low": ci[0], "ci_high": ci[1], "direction": "+" if direction > 0 else "-", "null": null,
+            "verdict": stats.verdict(ci, direction, null), **extra}
+
+
+def _claim_verdict(checks: list[dict]) -> str:
+    v = {c["verdict"] for c in checks}
+    if v == {"reproduced"}:
+        return "reproduced"
+    if v == {"contradicted"}:
+        return "contradicted"
+    if "reproduced" in v or "contradicted" in v:
+        return "mixed"
+    return "unclear"
+
+
+CLAIMS = {
+    1: "GRPO raises Pass@1 but lowers Pass@16/32; ES raises all three",
+    2: "ES moves 40-44x farther from initialization than GRPO (rel. L2)",
+    3: "most of the Pass@1 gain survives high sparsity (one global τ), more than at equal sparsity by a "
+       "random mask or at equal norm by a uniform shrink",
+    4: "ES's top changes sit in norm weights and attention, GRPO's in embeddings and the LM head",
+    5: "ES->GRPO gives the best Pass@32 and keeps most of GRPO's Pass@1 gain",
+    6: "GRPO collapses token entropy, ES does not",
+    7: "the ES population is diverse (JS > 0) and its members cover more problems than the centre",
+}
+
+
+def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_factory=None) -> dict:
+    """Train, measure, test every claim, write DIR/analysis.json, DIR/report.html, DIR/verdicts.csv."""
+    from deltalens.reports import render_report
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_study_file(cfg, out)
+    t0 = time.time()
+    plan = run_plan(cfg, out)
+    train_runs(cfg, plan, log, progress_factory)
+    m = Measures(cfg, out, log, progress_factory)
+    R = cfg.resamples
+    by_method = {meth: [r for r in plan if r["method"] == meth] for meth in cfg.methods}
+
+    # -- evaluations and claim 1 / 5
+    log(f"evaluating the base ({cfg.base_seeds} sampling seeds) and {len(plan)} runs")
+    base_evals = [m.evaluation(cfg.model, "base", s) for s in range(cfg.base_seeds)]
+    run_evals = {r["label"]: m.evaluation(str(r["dir"]), r["label"], 0) for r in plan}
+    checks: list[dict] = []
+
+    def matrix(evs, metric, k):
+        return [per_problem(e, metric, k) for e in evs]
+
+    effects = {}
+    for meth, runs in by_method.items():
+        evs = [run_evals[r["label"]] for r in runs]
+        for metric in ("pass", "maj"):
+            for k in cfg.ks:
+                effects[(meth, metric, k)] = stats.paired_effect(matrix(evs, metric, k),
+                                                                 matrix(base_evals, metric, k), resamples=R)
+    k_hi = [k for k in cfg.ks if k > 1]
+    for meth, want in (("grpo", {1: +1, **{k: -1 for k in k_hi}}), ("es", {k: +1 for k in cfg.ks})):
+        if meth in by_method:
+            for k, d in want.items():
+                e = effects[(meth, "pass", k)]
+                checks.append(_check(1, f"{meth} vs base, Pass@{k}", meth, f"pass@{k}", e["estimate"], e["ci"], d))
+    if "es-grpo" in by_method:
+        kmax = max(cfg.ks)
+        for other in ("es", "grpo"):
+            if other in by_method:
+                a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", kmax)
+                b = matrix([run_evals[r["label"]] for r in by_method[other]], "pass", kmax)
+                e = stats.paired_effect(a, b, resamples=R)
+                checks.append(_check(5, f"es-grpo vs {other}, Pass@{kmax}", "es-grpo", f"pass@{kmax}", e["estimate"],
+                                     e["ci"], +1))
+        if "grpo" in by_method:
+            a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", 1)
+            g = matrix([run_evals[r["label"]] for r in by_method["grpo"]], "pass", 1)
+            est, ci = stats.gain_ratio(a, g, matrix(base_evals, "pass", 1), resamples=R)
+            checks.append(_check(5, "es-grpo keeps GRPO's Pass@1 gain (share)", "es-grpo", "pass@1 gain share",
+                                 est, ci, +1, null=0.5))
+
+    # -- distances (claim 2) and where the changes sit (claim 4)
+    log("diffing every run against the base")
+    labels = [r["label"] for r in plan]
+    dkey = m.cache.key("study-diff", base=m.hash(cfg.model), runs=[m.hash(str(r["dir"])) for r in plan], labels=labels)
+    diff_doc = m.cache.get_or_compute(dkey, lambda: diff_checkpoints(
+        cfg.model, [str(RunDir(r["dir"]).weights()) for r in plan], labels, progress=False), log)
+    diffs = diff_doc["diff"]
+    if "es" in by_method and "grpo" in by_method:
+        pairs = [(f"es-s{s}", f"grpo-s{s}") for s in cfg.seeds]
+        ratios = [diffs[a]["whole"]["rel_l2"] / diffs[b]["whole"]["rel_l2"] for a, b in pairs
+                  if diffs[b]["whole"]["rel_l2"]]
+        if ratios:
+            ci = stats.seed_bootstrap(ratios, resamples=R)
+            est = sum(ratios) / len(ratios)
+            checks.append(_check(2, "rel. L2 from init, ES / GRPO (per seed): ES farther", "es/grpo", "rel_l2 ratio",
+                                 est, ci, +1, null=1.0, per_seed=ratios))
+            checks.append(_check(2, "the same ratio: at least the paper's 40x", "es/grpo", "rel_l2 ratio", est, ci,
+                                 +1, null=40.0, paper_range_in_ci=bool(ci[0] <= 44 and ci[1] >= 40)))
+        for rank in ("abs", "rel"):
+            def share(label, groups, rank=rank):
+                comp = diffs[label]["topk"][rank]["composition"]
+                total = sum(comp.values())
+                return sum(comp.get(g, 0) for g in groups) / total if total else 0.0
+
+            for groups, name, who in ((NORM_ATTN, "norm + attention", "es"), (EMBED_HEAD, "embed + lm_head", "grpo")):
+                other = "grpo" if who == "es" else "es"
+                vals = [share(f"{who}-s{s}", groups) - share(f"{other}-s{s}", groups) for s in cfg.seeds]
+                ci = stats.seed_bootstrap(vals, resamples=R)
+                checks.append(_check(4, f"top-100 by {'|Δ|' if rank == 'abs' else '|Δ|/|θ0|'}: share in {name}, "
+                                        f"{who} minus {other}", who, f"top-100 {rank} share", sum(vals) / len(vals),
+                                     ci, +1, per_seed=vals))
+
+    # -- sparsity with controls (claim 3), first seed of ES and GRPO
+    sparsify_section = {}
+    for meth in ("es", "grpo"):
+        if meth not in by_method:
+            continue
+        r0 = by_method[meth][0]
+        res = _sparsity(cfg, m, r0, log, R)
+        sparsify_section[r0["label"]] = res["section"]
+        checks.extend(res["checks"])
+
+    # -- token entropy (claim 6)
+    log("token entropy of every model along its own samples")
+    base_ent = m.entropy(cfg.model)
+    ent = {}
+    for meth in ("es", "grpo"):
+        if meth in by_method:
+            ent[meth] = [m.entropy(str(r["dir"])) for r in by_method[meth]]
+            e = stats.paired_effect(ent[meth], [base_ent], resamples=R)
+            if meth == "grpo":
+                checks.append(_check(6, "grpo vs base, token entropy", "grpo", "entropy", e["estimate"], e["ci"], -1))
+    if "es" in ent and "grpo" in ent:
+        e = stats.paired_effect(ent["es"], ent["grpo"], resamples=R)
+        checks.append(_check(6, "token entropy, es minus grpo", "es", "entropy", e["estimate"], e["ci"], +1))
+
+    # -- population diversity (claim 7), first ES run around its final weights
+    diversity_section = {}
+    if "es" in by_method:
+        r0 = by_method["es"][0]
+        div = _diversity(cfg, m, r0, log)
+        diversity_section[r0["label"]] = div
+        js, se = div["js_mi_mean"], div["js_mi_se"] or 0.0
+        checks.append(_check(7, "population JS (posterior estimator) > 0", "es", "js", js,
+                             (js - 1.96 * se, js + 1.96 * se), +1))
+        gaps = [p["coverage_population"] - p["coverage_centre"] for p in div["per_prompt"]
+                if p["coverage_centre"] is not None]
+        if len(gaps) >= 2:
+            ci = stats.seed_bootstrap(gaps, resamples=R)
+            checks.append(_check(7, "Pass@N: population (one sample each) minus centre (N samples)", "es",
+                                 "coverage gap", sum(gaps) / len(gaps), ci, +1))
+
+    held_out = {}
+    for name in cfg.held_out:
+        ht = get_task(name)
+        for label, spec in [("base", cfg.model), *((r["label"], str(r["dir"])) for r in plan)]:
+            held_out.setdefault(label, {})[name] = m.evaluation(spec, label, 0, task=ht)["pass_at_k"]
+
+    claims = [{"id": cid, "title": title, "checks": [c for c in checks if c["claim"] == cid],
+               "verdict": _claim_verdict([c for c in checks if c["claim"] == cid])}
+              for cid, title in CLAIMS.items() if any(c["claim"] == cid for c in checks)]
+    summary = {f"{meth}:{metric}@{k}": {kk: effects[(meth, metric, k)][kk] for kk in ("estimate", "method", "base", "ci")}
+               for (meth, metric, k) in effects}
+    study = {"config": {**cfg.to_dict(), "budget": study_budget(cfg), "preset": _preset(cfg)},
+             "rule": stats.rule_text(),
+             "claims": claims, "effects": summary,
+             "runs": [{"label": r["label"], "method": r["method"], "seed": r["seed"], "dir": str(r["dir"]),
+                       "total": r["total"]} for r in plan],
+             "seconds": round(time.time() - t0, 1)}
+    evals = {"base": base_evals[0], **{lab: ev for lab, ev in run_evals.items()}}
+    training = {r["label"]: training_section(r["label"], r["dir"]) for r in plan}
+    doc = analysis_document(cfg.model, [model_entry(r["label"], str(r["dir"])) for r in plan],
+                            diff=diffs, ratios=diff_doc["ratios"], evals=evals,
+                            sparsify=sparsify_section or None, diversity=diversity_section or None,
+                            training={k: v for k, v in training.items() if v}, held_out=held_out or None,
+                            study=study)
+    doc = {k: v for k, v in doc.items() if v is not None}
+    write_json_atomic(doc, out / "analysis.json")
+    stats.table(checks).to_csv(out / "verdicts.csv", index=False)
+    render_report(doc, out / "report.html")
+    return doc
+
+
+def _sparsity(cfg: StudyConfig, m: Measures, run: dict, log: Log, R: int) -> dict:
+    """Claim 3 for one run: gain retained at each target sparsity by the threshold and by both controls."""
+    from deltalens.analysis.sparsify import (
+        apply_threshold,
+        random_mask,
+        thresholds_for_sparsity,
+        uniform_shrink,
+    )
+    from deltalens.io.tensors import open_tensors
+
+    weights = RunDir(run["dir"]).weights()
+    with open_tensors(cfg.model) as bsrc, open_tensors(weights) as csrc:
+        taus = thresholds_for_sparsity(bsrc, csrc, list(cfg.sparsity))
+        base_sd = {n: bsrc.get(n) for n in bsrc.names()}
+        ckpt_sd = {n: csrc.get(n) for n in csrc.names()}
+    base_p1 = m.state_dict_pass1(cfg.model, base_sd, "base:" + m.hash(cfg.model))
+    full_p1 = m.state_dict_pass1(cfg.model, ckpt_sd, "full:" + m.hash(str(run["dir"])))
+    points, checks = [], []
+    for target, tau in zip(cfg.sparsity, taus):
+        log(f"sparsity {target:g} of {run['label']}: threshold, random mask, uniform shrink")
+        thr, st = apply_threshold(base_sd, ckpt_sd, tau)
+        rnd, _ = random_mask(base_sd, ckpt_sd, st["sparsity"], seed=run["seed"])
+        shr, _ = uniform_shrink(base_sd, ckpt_sd, st["kept_l2_frac"] or 0.0)
+        tag = f"{m.hash(str(run['dir']))}:{tau!r}"
+        p = {"threshold": m.state_dict_pass1(cfg.model, thr, "thr:" + tag),
+             "random": m.state_dict_pass1(cfg.model, rnd, "rnd:" + tag),
+             "shrink": m.state_dict_pass1(cfg.model, shr, "shr:" + tag)}
+        ret = {k: stats.gain_ratio([v], [full_p1], [base_p1], resamples=R) for k, v in p.items()}
+        points.append({"target_sparsity": target, "tau": tau, "sparsity": st["sparsity"],
+                       "kept_l2_frac": st["kept_l2_frac"], "pass_at_k": {"1": sum(p["threshold"]) / len(base_p1)},
+                       "gain_retained": ret["threshold"][0],
+                       "controls": {k: {"pass_at_1": sum(v) / len(v), "gain_retained": ret[k][0],
+                                        "ci": list(ret[k][1])} for k, v in p.items() if k != "threshold"},
+                       "gain_retained_ci": list(ret["threshold"][1])})
+        if target >= 0.9:
+            meth = run["method"]
+            checks.append(_check(3, f"{meth}: Pass@1 gain kept at sparsity {target:g} (share)", meth,
+                                 "gain retained", ret["threshold"][0], ret["threshold"][1], +1, null=0.5))
+            for ctl in ("random", "shrink"):
+                e = stats.paired_effect([p["threshold"]], [p[ctl]], resamples=R)
+                checks.append(_check(3, f"{meth}: threshold minus {ctl} at sparsity {target:g}, Pass@1", meth,
+                                     "pass@1", e["estimate"], e["ci"], +1))
+    section = {"task": m.task.name, "ks": [1], "base_pass_at_k": {"1": sum(base_p1) / len(base_p1)},
+               "full_pass_at_k": {"1": sum(full_p1) / len(full_p1)}, "points": points}
+    return {"section": section, "checks": checks}
+
+
+def _diversity(cfg: StudyConfig, m: Measures, run: dict, log: Log) -> dict:
+    from deltalens.analysis.diversity import diversity_section
+
+    it = max(RunDir(run["dir"]).checkpoints())
+    key = m.cache.key("study-diversity", run=m.hash(str(run["dir"])), iteration=it, members=cfg.diversity_members,
+                      prompts=cfg.diversity_prompts, temperature=cfg.temperature, chat=cfg.chat_template)
+    log(f"population diversity of {run['label']} around iteration {it}")
+    return m.cache.get_or_compute(key, lambda: diversity_section(
+        str(run["dir"]), m.task, members=cfg.diversity_members, iteration=it, prompts=cfg.diversity_prompts,
+        samples=4, temperature=cfg.temperature, chat_template=cfg.chat_template), log)
+
+
+def _check_study_file(cfg: StudyConfig, out: Path) -> None:
+    """DIR/study.json pins what the runs depend on: a rerun may add seeds or methods, not change these."""
+    import json
+
+    pinned = ("model", "task", "budget", "preset", "chat_template")
+    f = out / "study.json"
+    mine = {k: getattr(cfg, k) for k in pinned}
+    if f.exists():
+        try:
+            old = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise DeltalensError(f"{f} is unreadable ({e}); remove it or choose another --out") from None
+        diff = {k: (old.get(k), v) for k, v in mine.items() if old.get(k) != v}
+        if diff:
+            raise DeltalensError(f"{out} is a study with other settings ({', '.join(f'{k}: {a!r} vs {b!r}' for k, (a, b) in diff.items())}); "
+                                 "use another --out")
+    else:
+        write_json_atomic(mine, f)
