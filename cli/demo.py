@@ -18,8 +18,12 @@ def demo(
     seed: c.Seed = 0,
 ):
     """The whole study at toy scale: base, ES, GRPO, ES->GRPO; Pass@K, diff, sparsify, diversity, report."""
-    from deltalens.demo import DemoConfig, run_demo
+    from pathlib import Path
 
+    from deltalens.demo import DemoConfig, run_demo
+    from deltalens.io.outputs import Output, check_outputs
+
+    check_outputs([Output(Path(out), "--out", directory=True)], models=["tiny"])
     cfg = DemoConfig(out=out, budget=budget, limit=limit, samples=samples, seed=seed)
     with c.progress_bar() as bar:
         def factory(desc, total):
