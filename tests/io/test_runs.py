@@ -6,30 +6,14 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
+from support import hold_lock
 
 from deltalens.errors import DeltalensError
 from deltalens.io import atomic
 from deltalens.io.atomic import atomic_dir, clean_stale, is_temporary, write_json_atomic
 from deltalens.io.runs import LOCK_NAME, RunDir
-
-HOLD = ("import fcntl, os, sys, time\n"
-        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "os.ftruncate(fd, 0); os.write(fd, str(os.getpid()).encode())\n"
-        "print('locked', flush=True)\n"
-        "time.sleep(120)\n")
-
-
-def hold_lock(run_dir) -> subprocess.Popen:
-    """A live process holding the run's lock the way a trainer does (returns once it holds it)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir / LOCK_NAME)], stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "locked"
-    return p
 
 
 def test_a_live_writer_refuses_a_second_and_a_dead_one_does_not(tmp_path):
