@@ -144,12 +144,12 @@ def read_header(file: Path, owner: str) -> tuple[int, dict]:
         raise DeltalensError(f"{bad}: header is not JSON ({one_line(e)})") from None
     if not isinstance(header, dict):
         raise DeltalensError(f"{bad}: header is not a JSON object")
-    check_entries(header, size - 8 - n, bad)
+    check_entries(header, size - 8 - n, file)
     header.pop("__metadata__", None)
     return 8 + n, header
 
 
-def check_entries(header: dict, data_size: int, bad: str) -> None:
+def check_entries(header: dict, data_size: int, file: Path) -> None:
     """Validate every entry of a parsed header against a data section of `data_size` bytes.
 
     The rules of the safetensors format: dtype known; shape a list of non-negative ints; data_offsets
@@ -157,41 +157,46 @@ def check_entries(header: dict, data_size: int, bad: str) -> None:
     tensors tile the data section with no overlap and no hole (what the reference reader enforces, so a
     file accepted here is accepted there); __metadata__, if present, maps strings to strings.
     """
+    def lie(what: str) -> DeltalensError:
+        return DeltalensError(f"{file}: {what} (a corrupt or edited header): re-download or re-save it")
+
     meta = header.get("__metadata__")
     if "__metadata__" in header and not (isinstance(meta, dict) and
                                          all(isinstance(v, str) for v in meta.values())):
-        raise DeltalensError(f"{bad}: __metadata__ must map strings to strings")
+        raise lie("__metadata__ must map strings to strings")
     spans = []
     for name, e in header.items():
         if name == "__metadata__":
             continue
         if not isinstance(e, dict):
-            raise DeltalensError(f"{bad}: the entry of tensor {name} is not an object")
+            raise lie(f"the entry of tensor {name} is not an object")
         dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in ST_DTYPES:
-            raise DeltalensError(f"{bad}: tensor {name} has unknown dtype {dtype!r}")
+            raise lie(f"tensor {name} has unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise DeltalensError(f"{bad}: tensor {name} has shape {shape!r}, not a list of integers >= 0")
+            raise lie(f"tensor {name} has shape {shape!r}, not a list of integers >= 0")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
-            raise DeltalensError(f"{bad}: tensor {name} has data_offsets {offsets!r}, not two integers")
+            raise lie(f"tensor {name} has data_offsets {offsets!r}, not two integers")
         start, end = offsets
+        if 0 <= start <= end and end > data_size:
+            raise DeltalensError(f"{file} is truncated: tensor {name} ends {end - data_size} bytes past the end of "
+                                 "the file; re-download or re-save it")
         if not 0 <= start <= end <= data_size:
-            raise DeltalensError(f"{bad}: tensor {name} has data_offsets [{start}, {end}] outside the "
-                                 f"{data_size}-byte data section")
+            raise lie(f"tensor {name} has data_offsets [{start}, {end}] outside the {data_size}-byte data section")
         want = math.prod(shape) * ST_DTYPES[dtype].itemsize
         if end - start != want:
-            raise DeltalensError(f"{bad}: tensor {name} spans {end - start} bytes but its shape {shape} "
-                                 f"of {dtype} needs {want}")
+            raise lie(f"tensor {name} is mis-sized: it spans {end - start} bytes but its shape {shape} of {dtype} "
+                      f"needs {want}")
         spans.append((start, end, name))
     at, last = 0, None
     for start, end, name in sorted(spans):
         if start < at:
-            raise DeltalensError(f"{bad}: tensor {name} overlaps tensor {last}")
+            raise lie(f"tensor {name} overlaps tensor {last}")
         if start > at:
-            raise DeltalensError(f"{bad}: bytes {at}..{start} before tensor {name} belong to no tensor")
+            raise lie(f"bytes {at}..{start} before tensor {name} belong to no tensor")
         at, last = end, name
     if at != data_size:
-        raise DeltalensError(f"{bad}: the data section has {data_size} bytes but its tensors cover {at}")
+        raise lie(f"the data section has {data_size} bytes but its tensors cover {at}")
 
 
 def _is_int(x) -> bool:

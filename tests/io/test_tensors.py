@@ -89,7 +89,7 @@ def test_safetensors_mis_sized_entry(tmp_path):
     text += b" " * (n - len(text))
     (tmp_path / "bad.safetensors").write_bytes(raw[:8] + text + raw[8 + n:])
     # the header is validated when the file is opened, before any tensor is read
-    with pytest.raises(DeltalensError, match=r"bad.safetensors .*tensor a spans 16 bytes but its shape \[3\]"):
+    with pytest.raises(DeltalensError, match=r"bad.safetensors: tensor a is mis-sized: it spans 16 bytes"):
         open_tensors(tmp_path / "bad.safetensors")
 
 
