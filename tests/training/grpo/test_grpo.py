@@ -124,7 +124,7 @@ def test_countdown_dataset_passes_numbers_to_the_reward():
 
 
 def test_grpo_steps_change_weights_and_write_the_run_format(tmp_path):
-    from deltalens.io.models import load_model
+    from deltalens.io.models import load_model, weights_checksum
 
     out = tmp_path / "grpo"
     calls = []
@@ -152,12 +152,14 @@ def test_grpo_steps_change_weights_and_write_the_run_format(tmp_path):
     assert (ck / "iter-000002" / "config.json").exists() and (ck / "final" / "config.json").exists()
     assert not (ck / "iter-000001").exists()
     st = json.loads((out / "state.json").read_text())
+    checksum = st.pop("checksum")  # of the final weights (a resume verifies it)
     assert st == {"method": "grpo", "iteration": 3, "seed": 0, "checkpoint": "final"}
     opt = load_trainer_state(ck / "final.trainer.pt")  # weights_only load of the optimizer state
     assert opt["step"] == 3 and opt["optimizer"]["state"] and opt["scheduler"]["last_epoch"] == 3
     assert not (out / ".trl").exists()
 
     model, _ = load_model(str(out))  # the run directory loads its final checkpoint
+    assert weights_checksum(model) == checksum
     assert model.config.use_cache is not False
     assert max_weight_diff(_weights(out), _weights(cfg.model)) > 1e-4  # GRPO moved the weights
     assert max_weight_diff(_weights(ck / "iter-000002"), _weights(out)) > 0
