@@ -127,9 +127,12 @@ def diff_cmd(
     """Weight distance of each checkpoint from the base: per group, per layer, whole model, ratios."""
     from deltalens.analysis.delta import diff_analysis
     from deltalens.io.atomic import write_json_atomic
+    from deltalens.io.outputs import Output, check_outputs
 
-    if tol < 0 or topk < 0 or svd < 0:
-        raise DeltalensError("--tol, --topk and --svd must be >= 0")
+    if not (math.isfinite(tol) and tol >= 0) or topk < 0 or svd < 0:
+        raise DeltalensError(f"--tol must be a finite number >= 0 and --topk, --svd >= 0 (got --tol {tol}, "
+                             f"--topk {topk}, --svd {svd})")
+    check_outputs([Output(json_out, "--json"), Output(csv_out, "--csv")], models=[base, *ckpts])
     doc = diff_analysis(base, ckpts, label, tol=tol, topk=topk, strict=strict, svd=svd, progress=True)
     print_diff(doc)
     if json_out is not None:
@@ -157,12 +160,19 @@ def sparsify_cmd(
     chat_template: c.ChatTemplate = "auto",
 ):
     """Reset small weight changes (0 < |Δ| <= τ) to the base and measure how much Pass@K gain survives."""
-    from deltalens.analysis.sparsify import sparsify_analysis
+    from deltalens.analysis.sparsify import check_points, sparsify_analysis
+    from deltalens.evaluation.options import check_eval_options
     from deltalens.io.atomic import write_json_atomic
+    from deltalens.io.outputs import Output, check_outputs
     from deltalens.presets import default_task
+    from deltalens.tasks import get_task
 
     taus, targets, ks = _floats(thresholds, "thresholds"), _floats(sparsity, "sparsity"), _ints(k, "k")
     task = task or default_task(base)
+    check_points(taus, targets)
+    check_eval_options(samples=samples, ks=ks, temperature=temperature, limit=limit)
+    get_task(task).test(limit)  # an unknown task is refused now, not after loading both checkpoints
+    check_outputs([Output(json_out, "--json"), Output(out, "--out", directory=True)], models=[ckpt, base])
 
     cache: dict = {}  # one loaded model shared by every evaluation of the sweep
 

@@ -40,17 +40,24 @@ def diversity(
     answer_field: c.AnswerField = "answer",
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32, bf16, fp16 (default: the run's, else fp32)")
                      ] = None,
+    config: c.Config = None,
     json_out: c.JsonOut = None,
     chat_template: c.ChatTemplate = "auto",
 ):
     """Population diversity: JS across members (± standard error), JS of success, coverage vs centre."""
     from deltalens.analysis.diversity import diversity_analysis
     from deltalens.io.atomic import write_json_atomic
+    from deltalens.io.outputs import Output, check_outputs
     from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
-    t = get_task(task or default_task(model), data=data, question_field=question_field, answer_field=answer_field)
     sigmas = c.parse_floats(sweep, "--sweep") if sweep else None
+    _check_options(members=members, sigma=sigma, iteration=iteration, prompts=prompts, samples=samples,
+                   temperature=temperature, sweep=sigmas, fisher_samples=fisher_samples,
+                   max_new_tokens=max_new_tokens, config=config)
+    check_outputs([Output(json_out, "--json")], models=[model, config], files=[data])
+    t = get_task(task or default_task(model), data=data, question_field=question_field, answer_field=answer_field)
+    t.test(prompts)  # a jsonl task's data is read (and refused) now
     with c.progress_bar() as bar:
         tid = bar.add_task("diversity", total=None)
 
@@ -60,7 +67,7 @@ def diversity(
         doc = diversity_analysis(model, t, label=label, members=members, sigma=sigma, iteration=iteration,
                                  prompts=prompts, samples=samples, temperature=temperature, seed=seed,
                                  sweep=sigmas, fisher_samples=fisher_samples, max_new_tokens=max_new_tokens,
-                                 dtype=dtype, progress=progress, chat_template=chat_template)
+                                 dtype=dtype, config=config, progress=progress, chat_template=chat_template)
     lbl, d = next(iter(doc["diversity"].items()))
     c.console.print(_summary(lbl, d))
     if d.get("sigma_sweep"):
@@ -70,6 +77,35 @@ def diversity(
     if json_out is not None:
         write_json_atomic(doc, json_out)
         c.console.print(f"wrote {json_out}")
+
+
+def _check_options(*, members, sigma, iteration, prompts, samples, temperature, sweep, fisher_samples,
+                   max_new_tokens, config) -> None:
+    """Refuse bad option values before a model is loaded (one line naming the option)."""
+    import math
+
+    from deltalens.errors import DeltalensError
+
+    def finite(x) -> bool:
+        return x is not None and math.isfinite(x)
+
+    if members is not None and members < 2:
+        raise DeltalensError(f"--members must be >= 2 (got {members}): diversity is measured across members")
+    if sigma is not None and not (finite(sigma) and sigma >= 0):
+        raise DeltalensError(f"--sigma must be a finite number >= 0 (got {sigma})")
+    if iteration is not None and iteration < 0:
+        raise DeltalensError(f"--iteration must be >= 0 (got {iteration})")
+    for name, value in (("--prompts", prompts), ("--samples", samples), ("--fisher-samples", fisher_samples),
+                        ("--max-new-tokens", max_new_tokens)):
+        if value is not None and value < 1:
+            raise DeltalensError(f"{name} must be >= 1 (got {value})")
+    if not (finite(temperature) and temperature > 0):
+        raise DeltalensError(f"--temperature must be a finite number > 0 (got {temperature}): diversity is "
+                             "measured on samples")
+    if sweep is not None and not all(finite(s) and s > 0 for s in sweep):
+        raise DeltalensError(f"--sweep values must be finite numbers > 0 (got {','.join(map(str, sweep))})")
+    if config is not None and iteration is not None:
+        raise DeltalensError("--config is for bare weight files; with --iteration the run's checkpoints are used")
 
 
 def _f(x, spec=".4g") -> str:

@@ -33,10 +33,14 @@ def eval_cmd(
 ):
     """Evaluate Pass@K and Maj@K (unbiased estimator, n samples per problem) and print a table."""
     from deltalens.evaluation import evaluate_models
+    from deltalens.evaluation.options import check_eval_options
     from deltalens.io.atomic import write_json_atomic
+    from deltalens.io.outputs import Output, check_outputs
     from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
+    check_eval_options(samples=samples, ks=k, temperature=temperature, limit=limit, max_new_tokens=max_new_tokens)
+    check_outputs([Output(json_out, "--json")], models=[*models, config], files=[data])
     t = get_task(task or default_task(models[0]), data=data, question_field=question_field, answer_field=answer_field)
     with c.progress_bar() as bar:
         def factory(lbl, total):

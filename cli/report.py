@@ -18,6 +18,9 @@ def render(
     """Render an analysis.json into one self-contained HTML report that opens offline."""
     from deltalens.reports import render_file  # lazy: keeps `deltalens --help` fast
 
+    from deltalens.io.outputs import Output, check_outputs
+
+    check_outputs([Output(output or analysis_json.with_suffix(".html"), "-o")], files=[analysis_json])
     path = render_file(analysis_json, output)
     typer.echo(str(path))
 
@@ -52,13 +55,21 @@ def report(
     from deltalens.reports import render_report
 
     from deltalens.analysis.report import build_analysis, default_report_path
+    from deltalens.errors import DeltalensError
     from deltalens.io.atomic import write_json_atomic
+    from deltalens.io.outputs import Output, check_outputs
 
     from . import common as c
 
     out = output or default_report_path(models)
     floats = [] if not sparsify else c.parse_floats(sparsify, "--sparsify")
     targets = [] if not sparsity else c.parse_floats(sparsity, "--sparsity")
+    if out.suffix in (".json", ".cache"):  # the analysis and the cache are named after -o with these suffixes
+        raise DeltalensError(f"-o {out}: the report's analysis goes to {out.with_suffix('.json')} and its cache "
+                             f"to {out.with_suffix('.cache')}; give -o an .html name")
+    check_outputs([Output(out, "-o"), Output(out.with_suffix(".json"), "the analysis JSON"),
+                   None if no_cache else Output(out.with_suffix(".cache"), "the cache", directory=True)],
+                  models=[base, *models, config], files=[data])
     with c.progress_bar() as bar:
         def factory(desc, total):
             tid = bar.add_task(desc, total=total)

@@ -44,6 +44,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "diversity": ("Population diversity", "`deltalens report ... --task T --diversity`"),
     "held_out": ("Forgetting on held-out tasks", "`deltalens report ... --task T --held-out arith-3,arith-long`"),
 }
+MAX_DEPTH = 64  # analysis.json nests about 8 levels; far deeper input would exhaust the renderer's recursion
 _DRAW_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError)
 
 
@@ -79,10 +80,35 @@ def load_analysis(path: str | os.PathLike) -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise DeltalensError(f"cannot read {path}: {e}") from None
     try:
-        analysis = json.loads(text)
+        analysis = json.loads(text, parse_int=_bounded_int)
     except json.JSONDecodeError as e:
         raise DeltalensError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except RecursionError:
+        raise DeltalensError(f"{path}: JSON nested too deeply to be an analysis") from None
+    except ValueError as e:  # from _bounded_int
+        raise DeltalensError(f"{path}: {e}") from None
+    if _depth_exceeds(analysis, MAX_DEPTH):
+        raise DeltalensError(f"{path}: JSON nested deeper than {MAX_DEPTH} levels; not an analysis")
     return validate(analysis)
+
+
+def _bounded_int(text: str) -> int:
+    """json's int parser, refusing integers no float can hold (figures convert numbers to floats)."""
+    if len(text.lstrip("-")) > 300:
+        raise ValueError(f"integer {text[:12]}... ({len(text)} digits) is out of range for an analysis")
+    return int(text)
+
+
+def _depth_exceeds(obj: Any, limit: int) -> bool:
+    """Whether containers nest more than `limit` deep (iterative: no recursion on hostile input)."""
+    stack = [(obj, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            if d > limit:
+                return True
+            stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 # ------------------------------------------------------------------------------------------ assets

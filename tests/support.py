@@ -90,3 +90,27 @@ def run_cli(args) -> CliResult:
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return CliResult(code, buf.getvalue())
+
+
+_HOLD_LOCK = ("import fcntl, os, sys, time\n"
+              "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+              "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+              "os.ftruncate(fd, 0); os.write(fd, str(os.getpid()).encode())\n"
+              "print('locked', flush=True)\n"
+              "time.sleep(120)\n")
+
+
+def hold_lock(run_dir):
+    """A live process holding a run directory's writer lock the way a trainer does (flock on .lock, its
+    pid inside); returns the Popen once the lock is held. Kill it (SIGKILL) to leave a stale lock file."""
+    import subprocess
+    import sys
+
+    from deltalens.io.runs import LOCK_NAME
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    p = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(run_dir / LOCK_NAME)], stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "locked"
+    return p

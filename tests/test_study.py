@@ -12,9 +12,9 @@ from deltalens.schema import validate
 from deltalens.study import run as study_run
 from deltalens.study.config import StudyConfig
 
-SMALL = dict(methods=("es", "grpo"), seeds=(0, 1), budget=4096, limit=6, samples=4, ks=(1, 4), base_seeds=2,
-             sparsity=(0.9,), sparsify_samples=2, diversity_members=2, diversity_prompts=2, entropy_prompts=3,
-             resamples=100)
+SMALL = {"methods": ("es", "grpo"), "seeds": (0, 1), "budget": 4096, "limit": 6, "samples": 4, "ks": (1, 4),
+         "base_seeds": 2, "sparsity": (0.9,), "sparsify_samples": 2, "diversity_members": 2, "diversity_prompts": 2,
+         "entropy_prompts": 3, "resamples": 100}
 
 
 def test_study_resumes_after_a_kill_and_redoes_nothing(tmp_path, monkeypatch):

@@ -699,12 +699,13 @@ def _run_checkpoints(run_dir: Path, cfg: dict) -> dict[int, str]:
 
 def load_population(model_spec: str, task, *, members: int | None = None, sigma: float | None = None,
                     iteration: int | None = None, seed: int = 0, dtype: str | None = None,
-                    chat_template: str = "auto") -> tuple[ESPopulation, dict]:
+                    chat_template: str = "auto", config: str | None = None) -> tuple[ESPopulation, dict]:
     """The population a `diversity_section` call describes, and a dict of what it is (for the record).
 
     An ES run with `iteration`: the centre checkpoint after `iteration` updates (or the nearest saved
     one, noted), its dtype and parameter filter, the run's seed / N / σ unless given, the noise of the
-    next iteration. Otherwise: load_model(model_spec) and fresh noise (seed, iteration 1).
+    next iteration. Otherwise: load_model(model_spec) and fresh noise (seed, iteration 1); `config`
+    names the architecture of a bare weight file (as for `deltalens eval --config`).
     """
     notes: list[str] = []
     if iteration is not None:
@@ -748,7 +749,7 @@ def load_population(model_spec: str, task, *, members: int | None = None, sigma:
                 "centre_checksum": checksum, "dtype": dtype or cfg.dtype}
         noise_iteration = centre_it + 1
     else:
-        model, tok = load_model(model_spec, dtype=dtype or "fp32")
+        model, tok = load_model(model_spec, config=config, dtype=dtype or "fp32")
         cfg = ESConfig(seed=seed, population=members or 32, sigma=sigma if sigma else 1.5e-3,
                        dtype=dtype or "fp32", chat_template=chat_template)
         info = {"model": model_spec, "centre": model_spec, "iteration": None, "centre_iteration": None,
@@ -765,7 +766,7 @@ def diversity_section(model_spec: str, task, *, members: int | None = None, sigm
                       temperature: float = 0.6, seed: int = 0, progress: Progress | None = None,
                       sweep: Sequence[float] | None = None, fisher_samples: int = 32,
                       max_new_tokens: int | None = None, centre_samples: int | None = None,
-                      dtype: str | None = None, chat_template="auto") -> dict:
+                      dtype: str | None = None, chat_template="auto", config: str | None = None) -> dict:
     """One `diversity` entry of analysis.json (docs/analysis-schema.md) for a model or an ES run.
 
     members / sigma: None = the run's (with `iteration`) else 32 / 1.5e-3; sigma = 0 gives N copies of
@@ -778,7 +779,7 @@ def diversity_section(model_spec: str, task, *, members: int | None = None, sigm
     if not problems:
         raise DeltalensError(f"task {t.name} has no test problems")
     pop, info = load_population(model_spec, t, members=members, sigma=sigma, iteration=iteration, seed=seed,
-                                dtype=dtype, chat_template=chat_template)
+                                dtype=dtype, chat_template=chat_template, config=config)
     chat_template = pop.config.chat_template  # an ES run's own setting
     n_sweep = len(sweep or ())
     grand = 2 * pop.size + 1 + (1 + n_sweep * 3 * pop.size if n_sweep else 0)

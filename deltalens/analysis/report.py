@@ -18,9 +18,10 @@ from pathlib import Path
 from deltalens.analysis.delta import diff_checkpoints
 from deltalens.analysis.diversity import diversity_section
 from deltalens.analysis.document import analysis_document, model_entry
-from deltalens.analysis.sparsify import sparsify_sweep
+from deltalens.analysis.sparsify import check_points, sparsify_sweep
 from deltalens.errors import DeltalensError
 from deltalens.evaluation import evaluate, parse_ks
+from deltalens.evaluation.options import check_eval_options
 from deltalens.io.atomic import write_json_atomic
 from deltalens.io.models import load_model
 from deltalens.io.runs import RunDir
@@ -85,9 +86,14 @@ class Cache:
         if self.dir is not None:
             f = self.dir / f"{key}.json"
             if f.exists():
-                if log:
-                    log(f"cached: {key}")
-                return json.loads(f.read_text())
+                try:
+                    value = json.loads(f.read_text())
+                except (OSError, ValueError, RecursionError):
+                    value = None  # an unreadable entry (edited, disk trouble) is recomputed and rewritten
+                if isinstance(value, dict):
+                    if log:
+                        log(f"cached: {key}")
+                    return value
         value = compute()
         if self.dir is not None:
             write_json_atomic(value, self.dir / f"{key}.json")
@@ -134,6 +140,15 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
     labels = list(labels) if labels else default_labels(list(models))
     if len(labels) != len(models) or len(set(labels)) != len(labels) or "base" in labels:
         raise DeltalensError("give one unique --label per model (and not 'base')")
+    # every option is checked before any work (or cache entry) is done
+    if task is not None:
+        check_eval_options(samples=samples, ks=ks, temperature=temperature, limit=limit)
+    if sparsify or sparsity_targets:
+        check_points(list(sparsify), list(sparsity_targets))
+    t = get_task(task, data=data, seed=0) if task else None
+    if t is not None:
+        t.test(limit)  # reads a jsonl task's data now
+    held_tasks = {name: get_task(name, seed=0) for name in held_out}
     cache = Cache(cache_dir)
     hashes = {"base": weights_hash(base, config)}
     for lab, spec in zip(labels, models):
@@ -156,7 +171,6 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
     sections: dict = {"diff": doc_sections["diff"], "ratios": doc_sections["ratios"]}
 
     # -- evaluations (base + each model) on the main task
-    t = get_task(task, data=data, seed=0) if task else None
     loaded: dict = {}
 
     def model_for(label):
@@ -185,8 +199,7 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
     # -- held-out tasks (forgetting)
     if held_out:
         ho: dict = {}
-        for name in held_out:
-            ht = get_task(name, seed=0)
+        for name, ht in held_tasks.items():
             for lab in ["base", *labels]:
                 ho.setdefault(lab, {})[name] = eval_one(lab, ht)["pass_at_k"]
         sections["held_out"] = ho

@@ -36,6 +36,7 @@ import torch
 from deltalens.analysis.document import analysis_document, model_entry
 from deltalens.errors import DeltalensError
 from deltalens.io.atomic import save_state_dict
+from deltalens.io.models import check_finite
 from deltalens.io.source import DictSource, TensorSource
 from deltalens.io.spec import default_label
 from deltalens.io.tensors import load_state_dict, open_tensors
@@ -43,6 +44,19 @@ from deltalens.io.tensors import load_state_dict, open_tensors
 CHUNK = 1 << 22     # coordinates per step (16 MB of float32 per temporary)
 _SHIFT = 16         # histogram key: top 16 bits of the float32 pattern (sign 0, 8 exponent, 7 mantissa)
 _BUCKETS = 1 << 15  # sign bit is 0 for |Δ|, so keys fit in 15 bits
+
+
+def check_points(taus: Sequence[float], sparsities: Sequence[float] = ()) -> None:
+    """Refuse bad thresholds τ (finite, >= 0) and target sparsities (in [0, 1]) before any work: the
+    sweep meets them only after loading both checkpoints and evaluating the base and the checkpoint."""
+    if not len(taus) and not len(sparsities):
+        raise DeltalensError("give at least one threshold (--thresholds) or target sparsity (--sparsity)")
+    for tau in taus:
+        if not (math.isfinite(tau) and tau >= 0):
+            raise DeltalensError(f"threshold {tau} must be a finite number >= 0; use e.g. 2.5e-4,5e-4")
+    for s in sparsities:
+        if not 0 <= s <= 1:
+            raise DeltalensError(f"target sparsity {s} is outside [0, 1]; use e.g. 0.5,0.9")
 
 
 def _pairs(base: TensorSource, ckpt: TensorSource):
@@ -230,13 +244,14 @@ def sparsify_sweep(base_path, ckpt_path, taus: Sequence[float], evaluate_fn: Cal
     `tau-<τ>.safetensors`. Pass a dict as `evals` to receive the full evaluation results of the
     base ("base") and of the unsparsified checkpoint (label), e.g. for the schema's `evals` section.
     """
+    check_points(taus, sparsities)
     base_sd, ckpt_sd = load_state_dict_any(base_path), load_state_dict_any(ckpt_path)
+    for sd, path in ((base_sd, base_path), (ckpt_sd, ckpt_path)):  # each is evaluated: it must generate
+        check_finite(sd.items(), "the state dict" if isinstance(path, dict) else str(path))
     label = label or default_label(ckpt_path)
     points = [(float(t), None) for t in taus]
     if sparsities:
         points += list(zip(thresholds_for_sparsity(base_sd, ckpt_sd, sparsities), sparsities))
-    if not points:
-        raise DeltalensError("give at least one threshold (--thresholds) or target sparsity (--sparsity)")
     base_eval = evaluate_fn(base_sd)
     full_eval = evaluate_fn(ckpt_sd)
     p_base, p_full = _pass_at_k(base_eval, "the base"), _pass_at_k(full_eval, "the checkpoint")

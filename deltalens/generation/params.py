@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,8 +21,9 @@ class SamplingParams:
     def __post_init__(self):
         if self.n < 1:
             raise DeltalensError(f"samples must be >= 1 (got {self.n})")
-        if self.temperature < 0:
-            raise DeltalensError(f"temperature must be >= 0 (got {self.temperature}); use 0 for greedy")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN would silently mean greedy
+            raise DeltalensError(f"temperature must be a finite number >= 0 (got {self.temperature}); "
+                                 "use 0 for greedy")
         if not 0 < self.top_p <= 1:
             raise DeltalensError(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.max_new_tokens < 1:

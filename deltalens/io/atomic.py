@@ -3,24 +3,57 @@
 Data goes to a temporary file (or directory) next to the destination and is moved into place with
 os.replace, so a crash never leaves a half-written checkpoint, JSON or report behind: a reader sees
 either the previous version or the new one.
+
+A write that fails (disk full, no permission, a parent that is a file, ...) removes its temporary file
+or directory and raises one DeltalensError naming the destination (`write_error`), never an OSError
+traceback. Importing this module does not import torch (`deltalens render` stays fast); saving a state dict does.
+Temporaries a killed process left behind (`.NAME.tmp-XXXXXXXX.EXT`, `NAME.tmp-XXXXXXXX/`,
+`NAME.old-XXXXXXXX/`) are recognised by `is_temporary` and cleaned by `clean_stale`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import re
 import secrets
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from deltalens.errors import DeltalensError
 
+if TYPE_CHECKING:
+    import torch
+
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+# temporaries of atomic_path (.NAME.tmp-XXXXXXXX.EXT) and atomic_dir (NAME.tmp-XXXXXXXX, NAME.old-XXXXXXXX)
+_TMP_FILE = re.compile(r"\..+\.tmp-[0-9a-f]{8}(\.[^.]*)?")
+_TMP_DIR = re.compile(r"(?P<name>.+)\.(?P<kind>tmp|old)-(?P<tag>[0-9a-f]{8})")
+
+
+def write_error(path: str | os.PathLike, e: BaseException) -> DeltalensError:
+    """One-line error for a failed write of `path` (OSError, or an I/O error safetensors reports)."""
+    if isinstance(e, OSError):
+        why = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+               errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+               errno.EROFS: "read-only file system", errno.ENOTDIR: "a parent is not a directory",
+               errno.EISDIR: "it is a directory"}.get(e.errno, e.strerror or str(e))
+    else:
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    return DeltalensError(f"cannot write {path}: {why}")
+
+
+def _is_write_error(e: BaseException) -> bool:
+    # safetensors' writer (Rust) reports I/O failures as SafetensorError("... IoError(...)"), torch.save as
+    # RuntimeError("PytorchStreamWriter failed writing file ...")
+    return isinstance(e, OSError) or (type(e).__name__ == "SafetensorError" and "Io" in str(e)) or \
+        (isinstance(e, RuntimeError) and "PytorchStreamWriter" in str(e))
 
 
 def _tmp_name(path: Path, tag: str) -> Path:
@@ -28,18 +61,32 @@ def _tmp_name(path: Path, tag: str) -> Path:
     return path.with_name(f".{path.stem}.{tag}-{secrets.token_hex(4)}{path.suffix}")
 
 
+def _mkdir_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in path.parents if p.exists()), path.parent)
+        raise DeltalensError(f"cannot write {path}: {blocker} is a file, not a directory") from None
+    except OSError as e:
+        raise write_error(path, e) from None
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success move it onto `path`, on error delete it."""
+    """Yield a temporary path next to `path`; on success move it onto `path`, on error delete it.
+
+    A failed write (an OSError in the block or in the final rename) becomes one DeltalensError."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _mkdir_parent(path)
     tmp = _tmp_name(path, "tmp")
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as e:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if _is_write_error(e):
+            raise write_error(path, e) from None
         raise
 
 
@@ -49,28 +96,72 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
 
     The old directory is renamed aside before the new one is moved in and deleted only afterwards,
     so at every instant either the old or the new complete directory exists (possibly under the
-    aside name `path.old-XXXX` if the process dies between the two renames).
+    aside name `path.old-XXXX` if the process dies between the two renames: `clean_stale` puts it
+    back). A failed write removes the temporary directory and raises one DeltalensError.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _mkdir_parent(path)
     tag = secrets.token_hex(4)
     tmp = path.with_name(f"{path.name}.tmp-{tag}")
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise write_error(path, e) from None
     try:
         yield tmp
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _is_write_error(e):
+            raise write_error(path, e) from None
         raise
-    if path.exists():
-        if not path.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise DeltalensError(f"{path} exists and is not a directory: remove it or choose another output")
-        old = path.with_name(f"{path.name}.old-{tag}")
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
+    if path.exists() and not path.is_dir():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DeltalensError(f"{path} exists and is not a directory: remove it or choose another output")
+    try:
+        if path.exists():
+            old = path.with_name(f"{path.name}.old-{tag}")
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(path, e) from None
+
+
+def is_temporary(name: str) -> bool:
+    """A name atomic_path / atomic_dir gives their temporaries (never a real output's name)."""
+    return bool(_TMP_FILE.fullmatch(name) or _TMP_DIR.fullmatch(name))
+
+
+def clean_stale(directory: str | os.PathLike) -> list[str]:
+    """Remove the temporaries killed writers left in `directory` (not recursive); returns their names.
+
+    Only call this while no other process writes there (e.g. under the run directory's lock). A
+    directory caught between atomic_dir's two renames (`NAME.old-T` present, `NAME` missing) is
+    completed first: its new version `NAME.tmp-T` (complete: the rename happens only after the write)
+    else the old one becomes `NAME` again, so no complete checkpoint is ever lost.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    entries = sorted(p.name for p in d.iterdir())
+    for name in entries:
+        m = _TMP_DIR.fullmatch(name)
+        if m and m["kind"] == "old" and not (d / m["name"]).exists():
+            new = d / f"{m['name']}.tmp-{m['tag']}"
+            os.replace(new if new.is_dir() else d / name, d / m["name"])
+    removed = []
+    for p in sorted(d.iterdir()):
+        if is_temporary(p.name):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+            removed.append(p.name)
+    return removed
 
 
 def _json_safe(obj):
@@ -83,7 +174,8 @@ def _json_safe(obj):
         return [_json_safe(v) for v in obj]
     if isinstance(obj, Path):
         return str(obj)
-    if isinstance(obj, torch.Tensor) and obj.numel() == 1:
+    torch = sys.modules.get("torch")  # torch is imported lazily: only a loaded torch makes tensors
+    if torch is not None and isinstance(obj, torch.Tensor) and obj.numel() == 1:
         return _json_safe(obj.item())
     return obj
 
@@ -103,6 +195,8 @@ def write_json_atomic(obj, path: str | os.PathLike) -> Path:
 def save_state_dict(sd: dict[str, torch.Tensor], path: str | os.PathLike,
                     metadata: dict | None = None) -> Path:
     """Save a state dict atomically as .safetensors or .pt/.pth/.bin (chosen by suffix)."""
+    import torch
+
     path = Path(path)
     if path.suffix == ".safetensors":
         import safetensors.torch

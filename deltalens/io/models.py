@@ -3,10 +3,17 @@
 The tokenizer always comes from the same place as the architecture; bare weight files are applied onto
 an architecture given by `config=` (any spec), else the config.json beside the file. Weight files are
 read through `deltalens.io.tensors` (`.pt` always with weights_only=True).
+
+Every model handed out (and every state dict applied onto one) has finite weights: a NaN or Inf weight
+makes generation fail deep inside sampling (torch.multinomial), so it is refused here with the names of
+the offending tensors. `weights_checksum` identifies a model's exact weights (ES and GRPO store it with
+each checkpoint and verify it on resume).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -27,15 +34,41 @@ def torch_dtype(name: str) -> torch.dtype:
         raise DeltalensError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16") from None
 
 
+def weights_checksum(model: torch.nn.Module) -> str:
+    """blake2b of every unique parameter's bytes (in order): equal checksums = bit-identical weights."""
+    h = hashlib.blake2b(digest_size=16)
+    seen = set()
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        h.update(name.encode())
+        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
+
+
+def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+    """Refuse weights holding NaN or Inf, naming the tensors (generation cannot sample from them)."""
+    bad = []
+    for name, t in tensors:
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            bad.append(f"{name} ({int(t.numel() - torch.isfinite(t).sum())} values)")
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise DeltalensError(f"{source} has non-finite weights (NaN/Inf) in {', '.join(bad[:3])}{more}: "
+                             "it cannot generate; `deltalens diff` still compares it")
+
+
 def load_tokenizer(ref: ModelRef):
     from transformers import AutoTokenizer
 
     kind, loc = ref.kind, ref.location
     try:
-        if kind == "gguf":
-            tok = AutoTokenizer.from_pretrained(str(loc.parent), gguf_file=loc.name)
-        else:
-            tok = AutoTokenizer.from_pretrained(str(loc))
+        with quiet_transformers(gguf=kind == "gguf"):
+            if kind == "gguf":
+                tok = AutoTokenizer.from_pretrained(str(loc.parent), gguf_file=loc.name)
+            else:
+                tok = AutoTokenizer.from_pretrained(str(loc))
     except Exception as e:  # transformers raises OSError/ValueError/... for a missing tokenizer
         raise DeltalensError(f"no tokenizer could be loaded from {loc} ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:160]}); put tokenizer files beside the model") from e
@@ -50,7 +83,7 @@ def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
 
     kind, loc = ref.kind, ref.location
     try:
-        with quiet_transformers():
+        with quiet_transformers(gguf=kind == "gguf"):
             if kind == "gguf":
                 return AutoModelForCausalLM.from_pretrained(str(loc.parent), gguf_file=loc.name, dtype=dtype)
             return AutoModelForCausalLM.from_pretrained(str(loc), dtype=dtype)
@@ -68,7 +101,8 @@ def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
 
 
 def apply_state_dict(model, state_dict: dict[str, torch.Tensor], source: str = "weights") -> None:
-    """Copy `state_dict` into `model` (strict on names and shapes, casting dtype); errors name the keys."""
+    """Copy `state_dict` into `model` (strict on names and shapes, casting dtype); errors name the keys.
+    Non-finite weights are refused (`check_finite`) before anything is copied."""
     own = model.state_dict()
     tied = {k for k in own if k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)}
     missing = sorted(set(own) - set(state_dict) - tied)
@@ -81,6 +115,7 @@ def apply_state_dict(model, state_dict: dict[str, torch.Tensor], source: str = "
         if tuple(v.shape) != tuple(own[k].shape):
             raise DeltalensError(f"{source}: shape mismatch for {k}: file {tuple(v.shape)} vs "
                                  f"model {tuple(own[k].shape)}; pass the right --config")
+    check_finite(state_dict.items(), source)
     with torch.no_grad():
         for k, v in state_dict.items():
             own[k].copy_(v.to(own[k].dtype))
@@ -132,6 +167,7 @@ def load_model(spec: str | ModelRef = "tiny", *, config: str | None = None, dtyp
                 model.quantization_method = None
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
+        check_finite(model.named_parameters(), str(loc))
     model.to(device)
     model.eval()
     return model, tok

@@ -1,4 +1,4 @@
-"""safetensors reader: the header (8-byte little-endian length + JSON) is parsed and checked here.
+"""safetensors reader: the header (8-byte little-endian length + JSON) is parsed and validated here.
 
 One .safetensors file or a sharded set (name -> shard file). Each tensor (or range of one, `read_range`)
 is read with one positional read into a buffer, not through safe_open's mmap: mmap'd pages that were
@@ -26,6 +26,7 @@ ST_DTYPES = {
 }
 if hasattr(torch, "float8_e4m3fn"):
     ST_DTYPES.update({"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2})
+MAX_HEADER = 100_000_000  # bytes; the reference reader's limit too
 
 
 class SafetensorsSource(TensorSource):
@@ -116,29 +117,87 @@ class SafetensorsSource(TensorSource):
 
 
 def read_header(file: Path, owner: str) -> tuple[int, dict]:
-    """Parse a safetensors header; checks that every tensor's bytes lie inside the file."""
+    """Parse and validate a safetensors header: (byte offset of the data section, {name: entry}).
+
+    The header is untrusted input: a file whose offsets point into the header, overlap, leave holes or
+    disagree with a tensor's shape would otherwise be read as weights. Every entry is checked before any
+    tensor is read (`check_entries`); any violation is one DeltalensError naming the tensor.
+    """
     if not file.is_file():
         raise DeltalensError(f"missing shard {file} (listed in the index of {owner})")
     bad = f"{file} is not a readable safetensors file (corrupt or truncated?)"
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise DeltalensError(f"{bad}: shorter than 8 bytes")
-        n = int.from_bytes(head, "little")
-        if n > size - 8 or n > 100_000_000:
-            raise DeltalensError(f"{bad}: header length {n} does not fit in {size} bytes")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise DeltalensError(f"{bad}: header is not JSON ({one_line(e)})") from e
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise DeltalensError(f"{bad}: shorter than 8 bytes")
+            n = int.from_bytes(head, "little")
+            if n > size - 8 or n > MAX_HEADER:
+                raise DeltalensError(f"{bad}: header length {n} does not fit in {size} bytes")
+            raw = f.read(n)
+    except OSError as e:
+        raise DeltalensError(f"cannot read {file}: {e.strerror or one_line(e)}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))  # the format's encoding (json.loads would guess others)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise DeltalensError(f"{bad}: header is not JSON ({one_line(e)})") from None
     if not isinstance(header, dict):
         raise DeltalensError(f"{bad}: header is not a JSON object")
+    check_entries(header, size - 8 - n, file)
     header.pop("__metadata__", None)
-    for name, e in header.items():
-        if not isinstance(e, dict) or e.get("dtype") not in ST_DTYPES or "data_offsets" not in e:
-            raise DeltalensError(f"{bad}: bad header entry for {name}")
-        if 8 + n + e["data_offsets"][1] > size:
-            raise DeltalensError(f"{file} is truncated ({size} bytes; tensor {name} ends at "
-                                 f"{8 + n + e['data_offsets'][1]}): re-download or re-save it")
     return 8 + n, header
+
+
+def check_entries(header: dict, data_size: int, file: Path) -> None:
+    """Validate every entry of a parsed header against a data section of `data_size` bytes.
+
+    The rules of the safetensors format: dtype known; shape a list of non-negative ints; data_offsets
+    exactly two ints with 0 <= start <= end <= data_size and end - start = numel x itemsize; the
+    tensors tile the data section with no overlap and no hole (what the reference reader enforces, so a
+    file accepted here is accepted there); __metadata__, if present, maps strings to strings.
+    """
+    def lie(what: str) -> DeltalensError:
+        return DeltalensError(f"{file}: {what} (a corrupt or edited header): re-download or re-save it")
+
+    meta = header.get("__metadata__")
+    if "__metadata__" in header and not (isinstance(meta, dict) and
+                                         all(isinstance(v, str) for v in meta.values())):
+        raise lie("__metadata__ must map strings to strings")
+    spans = []
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(e, dict):
+            raise lie(f"the entry of tensor {name} is not an object")
+        dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in ST_DTYPES:
+            raise lie(f"tensor {name} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise lie(f"tensor {name} has shape {shape!r}, not a list of integers >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+            raise lie(f"tensor {name} has data_offsets {offsets!r}, not two integers")
+        start, end = offsets
+        if 0 <= start <= end and end > data_size:
+            raise DeltalensError(f"{file} is truncated: tensor {name} ends {end - data_size} bytes past the end of "
+                                 "the file; re-download or re-save it")
+        if not 0 <= start <= end <= data_size:
+            raise lie(f"tensor {name} has data_offsets [{start}, {end}] outside the {data_size}-byte data section")
+        want = math.prod(shape) * ST_DTYPES[dtype].itemsize
+        if end - start != want:
+            raise lie(f"tensor {name} is mis-sized: it spans {end - start} bytes but its shape {shape} of {dtype} "
+                      f"needs {want}")
+        spans.append((start, end, name))
+    at, last = 0, None
+    for start, end, name in sorted(spans):
+        if start < at:
+            raise lie(f"tensor {name} overlaps tensor {last}")
+        if start > at:
+            raise lie(f"bytes {at}..{start} before tensor {name} belong to no tensor")
+        at, last = end, name
+    if at != data_size:
+        raise lie(f"the data section has {data_size} bytes but its tensors cover {at}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -59,8 +59,12 @@ def _open_dir(d: Path) -> TensorSource:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
+            except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
                 raise DeltalensError(f"{index} is not a valid shard index: {one_line(e)}") from e
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()):
+                raise DeltalensError(f"{index} is not a valid shard index: weight_map must map tensor names "
+                                     "to shard file names in the same directory")
             if kind == "st":
                 return SafetensorsSource({n: d / f for n, f in weight_map.items()}, str(d), config)
             sd: dict[str, torch.Tensor] = {}

@@ -7,6 +7,8 @@ Pickles cannot be streamed: the whole file is loaded. A dict holding the tensors
 from __future__ import annotations
 
 import pickle
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,18 +17,30 @@ from deltalens.errors import DeltalensError
 from deltalens.io.source import one_line
 
 
+def _refusal(e: Exception) -> str:
+    """What torch's weights_only unpickler refused, in a few words (its own message is a paragraph
+    whose advice, re-running with weights_only=False, is exactly what must not be done)."""
+    text = str(e)
+    m = re.search(r"GLOBAL ([\w.]+)", text)
+    if m:
+        return f"it would import {m.group(1)}"
+    m = re.search(r"Unsupported operand (\d+)", text)
+    if m:
+        return f"it uses pickle instruction {m.group(1)}, which plain tensor files never need"
+    return "it holds objects other than tensors"
+
+
 def torch_load(path: Path) -> dict[str, torch.Tensor]:
+    """Load a tensor state dict from a torch pickle, never running pickled code (one-line errors)."""
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # e.g. "Detected pickle protocol 4": noise around a one-line error
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's message is a paragraph; the line naming the refused global is the useful one
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        why = next((ln for ln in lines if "global" in ln.lower() and "unsupported" in ln.lower()), None)
         raise DeltalensError(
-            f"{path} is not a plain tensor state dict (weights_only load refused it): "
-            f"{(why or one_line(e))[:200]}; "
-            "re-save it with torch.save(model.state_dict(), path)"
-        ) from e
+            f"{path} is not a plain tensor state dict (weights_only load refused it): {_refusal(e)}; deltalens "
+            "never runs code from a pickle: re-save it with torch.save(model.state_dict(), path)"
+        ) from None
     except Exception as e:  # truncated zip, not a torch file at all, ...
         raise DeltalensError(f"cannot read {path} as a torch checkpoint: {one_line(e)}") from e
     if isinstance(obj, dict) and not any(isinstance(v, torch.Tensor) for v in obj.values()):

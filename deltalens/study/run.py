@@ -35,6 +35,7 @@ from deltalens.evaluation import evaluate
 from deltalens.evaluation.passk import pass_at_k
 from deltalens.io.atomic import write_json_atomic
 from deltalens.io.models import apply_state_dict, load_model
+from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
 from deltalens.presets import auto_preset
 from deltalens.study.config import StudyConfig
@@ -234,6 +235,7 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
     from deltalens.reports import render_report
 
     out = Path(out)
+    check_outputs([Output(out, "--out", directory=True)], models=[cfg.model])
     out.mkdir(parents=True, exist_ok=True)
     _check_study_file(cfg, out)
     t0 = time.time()

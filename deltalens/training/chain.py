@@ -40,7 +40,9 @@ from deltalens.config import NOT_NONE, Config, check, option
 from deltalens.errors import DeltalensError
 from deltalens.io.atomic import atomic_dir, atomic_path, write_json_atomic
 from deltalens.io.runs import RunDir
+from deltalens.io.spec import resolve
 from deltalens.presets import auto_preset
+from deltalens.tasks import get_task
 from deltalens.training.budget import (
     es_units,
     grpo_units,
@@ -215,15 +217,32 @@ def train_chain(out: str | Path, methods: Sequence[str] = ("es", "grpo"), *, mod
     given, the stored stage configs are used. progress(done, total, row) counts iterations/steps over
     all stages; rows carry "stage".
     """
-    from deltalens.training.es.train import train_es  # the trainers load torch: only when a chain runs
-    from deltalens.training.grpo.train import train_grpo
-
     out = Path(out)
     methods = list(methods)
     if not methods:
         raise DeltalensError("a chain needs at least one method")
-    dirs = stage_dirs(methods)
     run = RunDir(out)
+    if not resume:  # refused before the run directory is created: a bad task, data, model or budget leaves none
+        run.check_create(overwrite)
+        get_task(task, data=data, question_field=question_field, answer_field=answer_field).test()
+        resolve(model)
+        stage_configs(out, methods, model, task, {"es": es_config, "grpo": grpo_config},
+                      {"data": data, "question_field": question_field, "answer_field": answer_field}, budget,
+                      fractions)
+    with run.writing():  # one writer at a time (each stage also locks its own directory)
+        return _train_chain(run, methods, model=model, task=task, data=data, question_field=question_field,
+                            answer_field=answer_field, budget=budget, fractions=fractions, es_config=es_config,
+                            grpo_config=grpo_config, resume=resume, overwrite=overwrite, progress=progress)
+
+
+def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question_field, answer_field, budget,
+                 fractions, es_config, grpo_config, resume, overwrite, progress) -> Path:
+    """train_chain under the chain's writer lock."""
+    from deltalens.training.es.train import train_es  # the trainers load torch: only when a chain runs
+    from deltalens.training.grpo.train import train_grpo
+
+    out = run.path
+    dirs = stage_dirs(methods)
     task_fields = {"data": data, "question_field": question_field, "answer_field": answer_field}
     if resume:
         stored = run.config()

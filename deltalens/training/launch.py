@@ -8,7 +8,8 @@ Precedence, lowest first: the dataclass defaults, the preset (`auto`: the model'
 has one, else the paper's; `deltalens.presets`), the YAML file, the options given on the command line.
 Without a task anywhere, the model's default task is used (`deltalens.presets.default_task`). A resume starts from
 the run's stored config instead of a preset; options that decide the trajectory may not change
-(`deltalens.training.run.check_resume`). Everything is validated before the run directory is touched.
+(`deltalens.training.run.check_resume`). Everything is validated before the run directory is touched,
+the output directory first (`deltalens.io.outputs`: it may not hold or lie inside an input).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from deltalens.config import Config, load_yaml
 from deltalens.errors import DeltalensError
+from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
 from deltalens.presets import auto_preset, default_task
 from deltalens.training.chain import ChainConfig, train_chain, train_chain_config
@@ -83,6 +85,8 @@ def start(method: str, *, out: str | Path | None = None, resume: str | Path | No
     if out is None:
         raise DeltalensError("pass --out DIR for a new run (or --resume DIR to continue one)")
     config, preset = make_config(method, given=given, yaml_path=yaml_path, preset=preset)
+    check_outputs([Output(Path(out), "--out", directory=True)],
+                  models=[config.model, getattr(config, "init_from", None)], files=[config.data, yaml_path])
     if isinstance(config, ChainConfig):
         return train_chain_config(config, out, preset=preset, overwrite=overwrite, progress=progress)
     trainer = train_es if method == "es" else train_grpo
@@ -93,7 +97,7 @@ def _run_method(run_dir: Path) -> str:
     run = RunDir(run_dir)
     if not (run.path / "config.json").is_file():
         raise DeltalensError(f"nothing to resume in {run.path} (no config.json); start a run with --out")
-    method = run.method()
+    method = run.config().get("method")  # a corrupt config.json is a one-line error naming it
     if method not in ("es", "grpo", *CHAIN_METHODS):
         raise DeltalensError(f"{run.path}/config.json names no deltalens training method; is it a run directory?")
     return method

@@ -1,14 +1,16 @@
 """Run plumbing shared by every trainer (ES, GRPO; chains build on both).
 
-- `make_task(config)`: the task a config names (task, data, question/answer fields).
+- `make_task(config)`: the task a config names (task, data, question/answer fields), data checked.
 - `open_run(run, config, resume=...)`: create the run directory, or re-open it for an exact resume
-  after checking that no setting that decides the trajectory changed; returns the resume state.
+  after checking that no setting that decides the trajectory changed; returns the resume state. The
+  caller holds the run's writer lock (`RunDir.writing`) and has validated everything else first.
 - `held_out_pass_at_1`: the greedy Pass@1 every method logs on held-out validation problems (the split
   tuning may look at; test problems are for the final evaluation only).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -21,9 +23,13 @@ from deltalens.tasks import get_task
 
 
 def make_task(config):
-    """The task of a training config (fields task, data, question_field, answer_field)."""
-    return get_task(config.task, data=config.data, question_field=config.question_field,
+    """The task of a training config (fields task, data, question_field, answer_field), its data read:
+    a trainer calls this before it touches the run directory, so a bad task or data file leaves none."""
+    task = get_task(config.task, data=config.data, question_field=config.question_field,
                     answer_field=config.answer_field)
+    task.test()
+    task.train(1, random.Random(0))  # reads (and checks) a jsonl task's training rows; no shared state
+    return task
 
 
 def run_config(config: Config) -> dict:

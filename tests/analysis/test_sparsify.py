@@ -198,7 +198,7 @@ def test_controls_match_the_threshold_in_sparsity_and_norm():
 
     base, ckpt = _pair(0)
     tau = thresholds_for_sparsity(base, ckpt, [0.9])[0]
-    thr, st = apply_threshold(base, ckpt, tau)
+    _, st = apply_threshold(base, ckpt, tau)
     rnd, rs = random_mask(base, ckpt, st["sparsity"], seed=1)
     assert rs["sparsity"] == pytest.approx(st["sparsity"], abs=0.01)
     # dropping the 90% smallest changes keeps far more of the norm than dropping a random 90%

@@ -31,7 +31,6 @@ perturbed once, under the first name. Cost figures: docs/tuning.md (`benchmarks/
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import math
 import threading
 import time
@@ -42,6 +41,7 @@ import torch
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend, SamplingParams
 from deltalens.generation.prompts import problem_prompts
+from deltalens.io.models import weights_checksum  # defined in io.models (shared with GRPO)
 from deltalens.training.es.config import ESConfig
 from deltalens.training.es.lowrank import LowRankNoise
 from deltalens.training.es.reference import ReferenceArithmetic
@@ -89,19 +89,6 @@ def select_params(model: torch.nn.Module, patterns: Sequence[str]) -> tuple[list
         raise DeltalensError(f"--params {','.join(patterns)} matches no parameter; names look like "
                              f"{unique[0][0][0]!r}")
     return chosen, len(unique)
-
-
-def weights_checksum(model: torch.nn.Module) -> str:
-    """blake2b of every unique parameter's bytes (in order): equal checksums = bit-identical weights."""
-    h = hashlib.blake2b(digest_size=16)
-    seen = set()
-    for name, p in model.named_parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        h.update(name.encode())
-        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
-    return h.hexdigest()
 
 
 class ESEngine:

@@ -56,7 +56,25 @@ def train_es(config: ESConfig, out: str | Path, resume: bool = False,
     cadence, backend, workers) may differ from the stored config. `backend_options` go to the backend
     (tests use {"fail_at": (iteration, member)} to kill a Ray worker).
     """
+    # everything that can be refused is refused before the run directory is created or touched
     run = RunDir(out)
+    task = make_task(config)
+    engine = None
+    if not resume:
+        run.check_create(overwrite)
+        model, tok = load_model(config.model, dtype=config.dtype, device=config.device)
+        engine = ESEngine(model, tok, task, config)  # checks the parameter filter against the model
+    try:
+        with run.writing():  # one writer at a time; stale temporaries of a killed writer are removed
+            return _train(run, config, task, engine, resume, progress, overwrite, backend_options)
+    finally:
+        if engine is not None:
+            engine.close()  # idempotent; _train closes the engine it trains with
+
+
+def _train(run: RunDir, config: ESConfig, task, engine: ESEngine | None, resume: bool, progress,
+           overwrite: bool, backend_options: dict | None) -> Path:
+    """train_es under the run's writer lock; `engine`: a new run's, built from its starting model."""
     state = open_run(run, config, resume=resume, overwrite=overwrite, reopen_final=True)
 
     start = state["iteration"] if state else 0
@@ -65,9 +83,10 @@ def train_es(config: ESConfig, out: str | Path, resume: bool = False,
     if start == config.iterations:
         return run.path
 
-    model, tok = load_model(model_spec, dtype=config.dtype, device=config.device)
-    task = make_task(config)
-    engine = ESEngine(model, tok, task, config)
+    if engine is None or start > 0:
+        model, tok = load_model(model_spec, dtype=config.dtype, device=config.device)
+        engine = ESEngine(model, tok, task, config)
+    model, tok = engine.model, engine.tok
     if state and state.get("checksum") and start > 0 and engine.checksum() != state["checksum"]:
         raise DeltalensError(f"checkpoint {model_spec} does not match the checksum in state.json; "
                              "it was modified or is corrupt: restore it or start a new run")

@@ -11,13 +11,14 @@ interface) and makes its run look like an ES run to the rest of deltalens (`delt
                            units (compute units so far, `deltalens.training.budget`), timing.iteration_s, the raw
                            TRL log under "trl", and "eval" (held-out greedy Pass@1) every eval_every steps;
                            a row {"iteration": 0, "eval": ...} before the first step, as ES writes
-    out/state.json         {"method": "grpo", "iteration": k, "checkpoint": "iter-00000k", ...}
+    out/state.json         {"method": "grpo", "iteration": k, "checkpoint": "iter-00000k", "checksum", ...}
     out/checkpoints/iter-XXXXXX/       HF format (RunDir.save), every save_every steps
     out/checkpoints/iter-XXXXXX.trainer.pt   optimizer + LR-scheduler state of that checkpoint
     out/checkpoints/final/ (+ final.trainer.pt)   the last weights; `load_model(out)` loads them
 
 Every file is written atomically and state.json last, so it only ever names a checkpoint whose weights
-and optimizer state are both complete.
+and optimizer state are both complete; it also holds the weights' checksum
+(`deltalens.io.models.weights_checksum`, as ES stores), which a resume verifies before continuing.
 
 One GRPO step (TRL, `loss_type="grpo"`, μ = num_iterations = 1): draw P prompts, sample G completions
 each at `temperature`, score them with the task reward, advantages A = (r - mean_group) / std_group,
@@ -58,6 +59,7 @@ writes the run directory; ZeRO-3/FSDP are not supported by this checkpoint write
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -74,7 +76,7 @@ from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend
 from deltalens.generation.prompts import problem_prompts, uses_chat
 from deltalens.io.atomic import atomic_dir, atomic_path
-from deltalens.io.models import load_model
+from deltalens.io.models import load_model, weights_checksum
 from deltalens.io.quiet import quiet_transformers
 from deltalens.io.runs import RunDir, checkpoint_name
 from deltalens.io.spec import resolve
@@ -144,19 +146,25 @@ class RewardRecorder:
 # TRL glue
 
 
+def batching(config: GRPOConfig, world_size: int | None = None) -> tuple[int, int]:
+    """(micro batch per process, gradient accumulation steps) so that one step is one generation of
+    prompts_per_step x num_generations completions; a one-line error when they do not divide."""
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    total = config.completions_per_step
+    micro = config.micro_batch_size or total // world
+    if micro < 1 or total % (micro * world):
+        raise DeltalensError(f"prompts_per_step x num_generations ({total}) must be a multiple of micro_batch_size "
+                             f"({micro}) x processes ({world}); change --micro-batch or --prompts")
+    return micro, total // (micro * world)
+
+
 def trl_args(config: GRPOConfig, output_dir: str | Path, world_size: int | None = None):
     """TRL's `GRPOConfig` for `config`: every setting whose TRL default differs is set explicitly."""
     try:
         from trl import GRPOConfig as TRLGRPOConfig
     except ImportError as e:
         raise DeltalensError("GRPO needs TRL: pip install 'deltalens[trl]' (trl and datasets)") from e
-    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    total = config.completions_per_step
-    micro = config.micro_batch_size or total // world
-    if total % (micro * world):
-        raise DeltalensError(f"prompts_per_step x num_generations ({total}) must be a multiple of micro_batch_size "
-                             f"({micro}) x processes ({world}); change --micro-batch or --prompts")
-    accum = total // (micro * world)
+    micro, accum = batching(config, world_size)
     mp = config.mixed_precision
     kwargs = dict(
         output_dir=str(output_dir),
@@ -336,10 +344,10 @@ def _run_callback_class():
             self.run.log(row)
             name = "final" if step == cfg.steps else (
                 checkpoint_name(step) if cfg.save_every and step % cfg.save_every == 0 else None)
-            if name is not None:
+            if name is not None:  # the checksum lets a resume verify the weights it continues from
                 save_trainer_state(_trainer_state_path(self.run, name), optimizer, lr_scheduler, step)
-                _save_weights(self.run, m, self.tok, name, {"method": "grpo", "iteration": step, "seed": cfg.seed},
-                              cfg.save_pt)
+                _save_weights(self.run, m, self.tok, name, {"method": "grpo", "iteration": step, "seed": cfg.seed,
+                                                            "checksum": weights_checksum(m)}, cfg.save_pt)
             if self.progress:
                 self.progress(step, cfg.steps, row)
             self.t_last = time.perf_counter()
@@ -385,7 +393,7 @@ def _reference_dir(run, config: GRPOConfig, kind: str, loc, start: tuple | None)
     ref = run.ckpt / "reference"
     if not (ref / "config.json").exists():
         model, tok = start if start is not None else _start_model(config)[:2]
-        with atomic_dir(ref) as tmp:
+        with atomic_dir(ref) as tmp, quiet_transformers():
             model.save_pretrained(tmp, safe_serialization=True)
             tok.save_pretrained(tmp)
     return str(ref)
@@ -407,8 +415,24 @@ def train_grpo(config: GRPOConfig, out: str | Path, resume: bool = False,
     except ImportError as e:
         raise DeltalensError("GRPO needs TRL: pip install 'deltalens[trl]' (trl and datasets)") from e
 
+    # everything that can be refused is refused before the run directory is created or touched
     run = RunDir(out)
     main = int(os.environ.get("RANK", "0")) == 0  # under `accelerate launch` only rank 0 writes the run
+    task = make_task(config)
+    batching(config)
+    loaded = None
+    if not resume:
+        if main:
+            run.check_create(overwrite)
+        loaded = _start_model(config)
+    # one writer at a time (rank 0); stale temporaries of a killed writer are removed
+    with run.writing() if main else contextlib.nullcontext():
+        return _train(run, config, task, loaded, main, resume, progress, overwrite)
+
+
+def _train(run: RunDir, config: GRPOConfig, task, loaded, main: bool, resume: bool, progress,
+           overwrite: bool) -> Path:
+    """train_grpo (under the run's writer lock on rank 0); `loaded`: `_start_model` of a new run."""
     state = open_run(run, config, resume=resume, overwrite=overwrite, write=main)
     latest = run.latest() if state else None
     start = state["iteration"] if state and latest is not None else 0
@@ -426,12 +450,14 @@ def train_grpo(config: GRPOConfig, out: str | Path, resume: bool = False,
         ref = resolve(config.init_from or config.model)
         ref_dir = _reference_dir(run, config, ref.kind, ref.location, None) if config.beta > 0 else None
         model, tok = load_model(str(latest), dtype=config.load_dtype)
+        if state.get("checksum") and weights_checksum(model) != state["checksum"]:
+            raise DeltalensError(f"checkpoint {latest} does not match the checksum in state.json; it was "
+                                 "modified or is corrupt: restore it or start a new run")
     else:
-        model, tok, kind, loc = _start_model(config)
+        model, tok, kind, loc = loaded if loaded is not None else _start_model(config)
         ref_dir = _reference_dir(run, config, kind, loc, (model, tok)) if config.beta > 0 else None
     if ref_dir is not None:
         model.config._name_or_path = ref_dir  # TRL builds the reference with from_pretrained(this)
-    task = make_task(config)
     max_new = config.max_new_tokens or task.max_new_tokens
 
     out_trl = run.path / ".trl"
@@ -453,7 +479,7 @@ def train_grpo(config: GRPOConfig, out: str | Path, resume: bool = False,
     with warnings.catch_warnings():
         # transformers/TRL deprecation notices about their own internals: nothing a user can act on
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|trl)\b")
-        with quiet_transformers():  # TRL loads the KL reference model with from_pretrained
+        with quiet_transformers():  # TRL loads the KL reference with from_pretrained: no "Loading weights" bar
             trainer = _trainer_class()(model=model, reward_funcs=recorder.reward, args=args,
                                        train_dataset=dataset, processing_class=tok, callbacks=[callback])
         trainer.step_offset, trainer.total_steps, trainer.run_seed = start, config.steps, config.seed

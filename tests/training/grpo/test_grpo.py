@@ -128,7 +128,7 @@ def test_countdown_dataset_passes_numbers_to_the_reward():
 
 
 def test_grpo_steps_change_weights_and_write_the_run_format(tmp_path):
-    from deltalens.io.models import load_model
+    from deltalens.io.models import load_model, weights_checksum
 
     out = tmp_path / "grpo"
     calls = []
@@ -156,12 +156,14 @@ def test_grpo_steps_change_weights_and_write_the_run_format(tmp_path):
     assert (ck / "iter-000002" / "config.json").exists() and (ck / "final" / "config.json").exists()
     assert not (ck / "iter-000001").exists()
     st = json.loads((out / "state.json").read_text())
+    checksum = st.pop("checksum")  # of the final weights (a resume verifies it)
     assert st == {"method": "grpo", "iteration": 3, "seed": 0, "checkpoint": "final"}
     opt = load_trainer_state(ck / "final.trainer.pt")  # weights_only load of the optimizer state
     assert opt["step"] == 3 and opt["optimizer"]["state"] and opt["scheduler"]["last_epoch"] == 3
     assert not (out / ".trl").exists()
 
     model, _ = load_model(str(out))  # the run directory loads its final checkpoint
+    assert weights_checksum(model) == checksum
     assert model.config.use_cache is not False
     assert max_weight_diff(_weights(out), _weights(cfg.model)) > 1e-4  # GRPO moved the weights
     assert max_weight_diff(_weights(ck / "iter-000002"), _weights(out)) > 0
@@ -219,6 +221,43 @@ def test_resume_is_exact_and_refuses_trajectory_changes(tmp_path):
         train_grpo(cfg, tmp_path / "nothing", resume=True)
     with pytest.raises(DeltalensError, match="already holds a run"):
         train_grpo(cfg, tmp_path / "straight")
+
+
+def test_resume_verifies_the_weights_checksum(tmp_path):
+    """Every GRPO save stores the weights' checksum; a resume from an edited checkpoint is refused in one line
+    (through the CLI, whose bare `train --resume RUN` form also works for GRPO runs)."""
+    from safetensors.torch import load_file
+    from support import run_cli
+
+    from deltalens.io.atomic import save_state_dict
+    from deltalens.io.models import weights_checksum
+
+    out = tmp_path / "g"
+    train_grpo(fast(steps=1), out)
+    state = json.loads((out / "state.json").read_text())
+    assert state["checksum"] == weights_checksum(_model(out / "checkpoints" / "final"))
+    r = run_cli(["train", "--resume", out])  # finished: nothing to do, but the alias resumes a GRPO run
+    assert r.exit_code == 0, r.output
+
+    weights = out / "checkpoints" / "final" / "model.safetensors"
+    original = weights.read_bytes()
+    sd = load_file(str(weights))
+    name = min(sd)
+    sd[name].view(-1)[0] += 1.0
+    save_state_dict(sd, weights, metadata={"format": "pt"})
+    r = run_cli(["train", "resume", out, "--steps", "2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert "does not match the checksum in state.json" in r.output
+    weights.write_bytes(original)
+    r = run_cli(["train", "resume", out, "--steps", "2"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "state.json").read_text())["iteration"] == 2
+
+
+def _model(spec):
+    from deltalens.io.models import load_model
+
+    return load_model(str(spec))[0]
 
 
 # ---------------------------------------------------------------------------------------------- sequences
