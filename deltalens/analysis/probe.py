@@ -43,6 +43,8 @@ def verdict(grpo_share: float, es_share: float | None) -> str:
     es_ok = es_share is not None and es_share > 0
     if grpo_share > 0 and es_ok:
         return "ES and GRPO have signal"
+    if grpo_share > 0 and es_share is None:
+        return "GRPO has signal (ES not probed: --es-populations 0)"
     if grpo_share > 0:
         return "GRPO has signal; ES populations scored alike: raise --sigma or the prompts per iteration"
     if es_ok:

@@ -17,6 +17,7 @@ def test_verdict_rule():
     assert verdict(0.0, 0.0) == "reward is constant: pick an easier task or another model"
     assert verdict(0.0, None).startswith("reward is constant")
     assert verdict(0.2, 0.0).startswith("GRPO has signal") and verdict(0.0, 0.5).startswith("ES has signal")
+    assert verdict(0.2, None) == "GRPO has signal (ES not probed: --es-populations 0)"
 
 
 def test_tiny_has_signal_and_a_random_model_has_none(rand_model_dir):
