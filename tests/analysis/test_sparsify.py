@@ -167,7 +167,7 @@ def test_cli_sparsify(tmp_path, monkeypatch):
     seen = []
 
     def fake_evaluate_state_dict(spec, sd, task, *, samples, ks, temperature=0.6, limit=None, seed=0,
-                                 model_cache=None):
+                                 model_cache=None, chat_template="auto"):
         seen.append((spec, task, samples, tuple(ks), limit))
         changed = sum(int((sd[k].float() != base[k].float()).sum())
                       for k in base if base[k].is_floating_point())

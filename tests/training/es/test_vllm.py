@@ -19,6 +19,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend, SamplingParams
+from deltalens.generation.prompts import uses_chat
 from deltalens.generation.vllm import MISSING_VLLM, VLLMBackend
 
 
@@ -235,8 +236,10 @@ def test_generate_greedy_and_chunks(fake_vllm):
 
 def test_chat_template_like_hf(fake_vllm):
     _need_tiny()
-    be = VLLMBackend.from_spec("tiny", chat_template=True)
+    be = VLLMBackend.from_spec("tiny", chat_template="auto")
+    assert not be.chat  # the tiny tokenizer has no template: auto means off
     be.tok.chat_template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}A{% endif %}"
+    be.chat = uses_chat(be.tok, "on")
     FakeLLM.script = _scripted
     be.generate(["Q: 1+1=?"], SamplingParams(n=1, temperature=0.0))
     reqs, _ = FakeLLM.instances[-1].calls[-1]
