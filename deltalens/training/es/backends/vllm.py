@@ -16,6 +16,12 @@ perturbation θ + s·ε in fp32 rounded once to the weight dtype; the update acc
 (the very same ops as `ESEngine`) and added once. Restore copies back a base copy of the trained slices
 (kept on the GPU).
 
+That is the GPU way: there vLLM's linear layers multiply by their parameter tensors, so writing into them
+changes the model. vLLM's CPU build repacks every linear weight after loading and computes with the packed
+copies; there `FusedES` works on a fused copy of the checkpoint and every perturb/restore/update is pushed
+into vLLM with vLLM's own weight reload (`deltalens.training.es.backends.vllm_weights`, which holds the
+one platform decision). The ES arithmetic is the same code on both.
+
 Noise is drawn on the CPU (torch's mt19937 generator: the HF path's numbers; a GPU generator would give
 other numbers) by a thread pool, one block per thread at a time, and copied to the GPU.
 """
@@ -38,6 +44,7 @@ from deltalens.errors import DeltalensError
 from deltalens.generation.vllm import VLLMBackend
 from deltalens.generation.vllm_layout import arch
 from deltalens.io.models import apply_state_dict
+from deltalens.training.es.backends import vllm_weights
 from deltalens.training.es.engine import PARALLEL_MIN, new_timing
 from deltalens.training.es.strategy import (
     accumulate_noise,
@@ -286,8 +293,14 @@ def _split(wall: float, parts: list[tuple[float, float]]) -> tuple[float, float]
 
 
 class ESWorkerExtension:
-    """Mixed into vLLM's GPU worker (`LLM(..., worker_extension_cls=EXTENSION)`); called through
-    `llm.collective_rpc("es_...", args=(...))`. Holds one `FusedES` on the worker's model."""
+    """Mixed into vLLM's worker (`LLM(..., worker_extension_cls=EXTENSION)`); called through
+    `llm.collective_rpc("es_...", args=(...))`. Holds one `FusedES`.
+
+    Where vLLM computes with its parameters as they are (GPU builds), `FusedES` writes straight into them
+    and `_es_publish` does nothing. Where it does not (`kernels_read_parameters` is False: the CPU
+    build), `FusedES` works on a fused copy of the checkpoint (the shadow) and `_es_publish` pushes it
+    into vLLM after every change (`vllm_weights.publish`: vLLM's in-place weight reload).
+    """
 
     def _es_model(self):
         runner = self.model_runner
@@ -302,6 +315,20 @@ class ESWorkerExtension:
             raise DeltalensError("es_init was not called on this vLLM worker")
         return es
 
+    def _es_checkpoint(self) -> dict[str, torch.Tensor]:
+        """HF-named tensors of the checkpoint this worker loaded (the shadow's source in reload mode)."""
+        return vllm_weights.read_checkpoint(self.vllm_config, self._es_model())
+
+    def _es_publish(self) -> float:
+        """Make vLLM compute with FusedES's weights (reload mode; nothing in place); returns seconds."""
+        if not getattr(self, "_deltalens_reload", False):
+            return 0.0
+        t0 = time.perf_counter()
+        es = self._es_state()
+        weights = [(name, es.views[name].view(es.shapes[name])) for name, _ in es.plan["all"]]
+        vllm_weights.publish(getattr(self, "reload_weights", None), self._es_model(), weights)
+        return time.perf_counter() - t0
+
     def es_init(self, plan: dict) -> str:
         """Bind the plan to this worker's weights; returns the weights' HF checksum."""
         try:  # only where vLLM exposes its parallel state (the shape checks of FusedES catch shards anyway)
@@ -312,21 +339,36 @@ class ESWorkerExtension:
             tp = 1
         if tp != 1:
             raise DeltalensError(f"ES with vLLM needs tensor_parallel_size=1 (got {tp}); run one engine per GPU")
-        old = getattr(self, "_deltalens_es", None)
-        if old is not None:
-            old.close()
-        self._deltalens_es = FusedES(dict(self._es_model().named_parameters()), plan)
+        self.es_close()
+        model = self._es_model()
+        self._deltalens_reload = not vllm_weights.kernels_read_parameters(model)
+        if self._deltalens_reload:  # vLLM already computes with the checkpoint: nothing to publish yet
+            from deltalens.generation.vllm_layout import fuse, vllm_slices
+
+            slices = vllm_slices(plan["hf_config"])
+            params = fuse({n: w for n, w in self._es_checkpoint().items() if n in slices}, plan["hf_config"])
+        else:
+            params = dict(model.named_parameters())
+        self._deltalens_es = FusedES(params, plan)
         return self._deltalens_es.checksum()
 
     def es_perturb(self, iteration: int, member: int) -> dict:
-        return self._es_state().perturb(iteration, member)
+        out = self._es_state().perturb(iteration, member)
+        out["perturb_restore_s"] += self._es_publish()
+        return out
 
-    def es_restore(self, iteration: int, member: int) -> dict:
-        return self._es_state().restore(iteration, member)
+    def es_restore(self, iteration: int, member: int, publish: bool = True) -> dict:
+        """Undo `es_perturb`. publish=False leaves vLLM computing with the member's weights until the
+        next perturb or update publishes (saves one weight reload per member in reload mode)."""
+        out = self._es_state().restore(iteration, member)
+        if publish:
+            out["perturb_restore_s"] += self._es_publish()
+        return out
 
     def es_update(self, iteration: int, z: list[float]) -> dict:
         es = self._es_state()
         out = es.update(iteration, z)
+        out["update_s"] += self._es_publish()
         t0 = time.perf_counter()
         out["checksum"] = es.checksum()
         out["checksum_s"] = time.perf_counter() - t0
@@ -342,7 +384,7 @@ class ESWorkerExtension:
         es = getattr(self, "_deltalens_es", None)
         if es is not None:
             es.close()
-            self._deltalens_es = None
+        self._deltalens_es = None  # drops the shadow in reload mode
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,6 +406,11 @@ class VLLMESBackend:
     copy of the trained weights for restore="copy" and one noise block (16 MiB) per noise thread; both
     come out of the remaining share, so lower `gpu_memory_utilization` for large models (or use
     restore="subtract", which keeps no copy and is not bit-exact).
+
+    On vLLM's CPU build the worker keeps a fused copy of all weights instead (reload mode,
+    `ESWorkerExtension`), and each member's perturb and each update costs one vLLM weight reload (figures
+    in docs/vllm.md). There set VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, e.g. 1): without it vLLM reserves
+    `gpu_memory_utilization` of the machine's memory and refuses to start when that much is not free.
     """
 
     name = "vllm"
@@ -409,7 +456,8 @@ class VLLMESBackend:
             t0 = time.perf_counter()
             rewards.append(self.engine.score(problems))
             timing["generation_s"] += time.perf_counter() - t0
-            for k, v in self._rpc("es_restore", iteration, m)[0].items():
+            # no publish: the next member's perturb or the update publishes (one weight reload less on CPU)
+            for k, v in self._rpc("es_restore", iteration, m, False)[0].items():
                 timing[k] += v
         self.generator.reset_prefix_cache()
         return rewards, timing
