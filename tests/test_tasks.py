@@ -1,11 +1,13 @@
 """Verifier and reward cases: right, wrong, malformed and tricky formats; split hygiene."""
 
+import hashlib
 import random
 
 import pytest
 
 from deltalens.errors import DeltalensError
 from deltalens.tasks import (
+    AddTask,
     ArithTask,
     CountdownTask,
     GSM8KTask,
@@ -14,7 +16,9 @@ from deltalens.tasks import (
     arith_solution,
     final_answer,
     get_task,
+    lenient_number,
     normalize_number,
+    parse_spec,
 )
 
 
@@ -137,9 +141,6 @@ def test_unknown_task():
 
 # ---------------------------------------------------------------------------- splits, specs, chat forms
 
-import hashlib
-
-from deltalens.tasks import AddTask, lenient_number, parse_spec
 
 
 def _digest(problems) -> str:
@@ -238,3 +239,29 @@ def test_jsonl_splits(tmp_path):
     val, train = g.validation(), g.train(200, random.Random(0))
     assert len(val) == 5 and not {p.prompt for p in val} & {p.prompt for p in train}
     assert len({p.prompt for p in train}) == 15
+
+
+def test_small_problem_space_refused_not_looping():
+    """add:digits=1,terms=2 has 100 problems: 500 test + 500 validation cannot be drawn (it used to loop
+    forever); smaller splits work, leave half the space to training, and keep the test prefix stable."""
+    with pytest.raises(DeltalensError, match="only 100 distinct problems.*test=25,validation=25"):
+        get_task("add:digits=1,terms=2")
+    t = get_task("add:digits=1,terms=2,test=25,validation=25")
+    test, val = t.split("test"), t.split("validation")
+    assert len(test) == len(val) == 25 and not {p.prompt for p in test} & {p.prompt for p in val}
+    assert [p.prompt for p in test[:10]] == [p.prompt for p in get_task("add:digits=1,terms=2,test=10,validation=10")
+                                             .split("test")]
+    assert get_task("add:digits=1-2,terms=3,ops=+-").n_distinct() == 100 ** 3 * 4
+
+
+def test_draw_backstop_for_tasks_without_a_size(monkeypatch):
+    """A synthetic task that cannot make enough distinct problems fails with one line, not a hang."""
+    from deltalens.tasks import base
+
+    monkeypatch.setattr(base, "MAX_DRAWS", 50)
+    t = get_task("add:digits=1,terms=2,test=25,validation=25")
+    monkeypatch.setattr(type(t), "n_distinct", lambda self: None)
+    t.n_test = 200
+    t.__dict__.pop("_raw", None)
+    with pytest.raises(DeltalensError, match="could not be drawn"):
+        t.split("test")

@@ -5,7 +5,8 @@ A task spec is a name with optional `key=value` options after a colon:
     arith                            4-term +/- sums for the bundled tiny model (strict `####` verifier)
     arith-3, arith-long, arith-big   held-out variants (3 terms; 6 terms; 3-digit numbers)
     add                              "What is 23 + 45?" for instruct models (lenient verifier)
-    add:digits=1-3,terms=3,ops=+-    the difficulty knob: operand digits (n or a range), terms, operators
+    add:digits=1-3,terms=3,ops=+-    the difficulty knob: operand digits (n or a range), terms, operators;
+                                     `test=n` sets the test size (default 500; small spaces need less)
     countdown                        reach a target using each given number once
     gsm8k                            --data DIR|FILE (test.jsonl, train.jsonl), or the hub when online
     jsonl                            --data DIR|FILE, --question-field/--answer-field
@@ -40,12 +41,12 @@ TASKS = {
     "arith-3": (lambda **kw: ArithTask(n_terms=3, name="arith-3", **kw), {}),
     "arith-long": (lambda **kw: ArithTask(n_terms=6, name="arith-long", **kw), {}),
     "arith-big": (lambda **kw: ArithTask(n_terms=3, lo=100, hi=400, name="arith-big", **kw), {}),
-    "add": (lambda **kw: AddTask(**kw), {"digits": str, "terms": int, "ops": str}),
+    "add": (lambda **kw: AddTask(**kw), {"digits": str, "terms": int, "ops": str, "test": int}),
     "countdown": (lambda **kw: CountdownTask(**kw), {"numbers": int, "max": int}),
 }
 FILE_TASKS = ("gsm8k", "jsonl")
 TASK_NAMES = [*TASKS, *FILE_TASKS]
-_RENAME = {"validation": "n_validation", "numbers": "n_numbers", "max": "hi"}
+_RENAME = {"validation": "n_validation", "test": "n_test", "numbers": "n_numbers", "max": "hi"}
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:

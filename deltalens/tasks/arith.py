@@ -142,6 +142,12 @@ class AddTask(SyntheticTask):
             int(shots), bool(lenient)
         d = f"{self.digits[0]}" if self.digits[0] == self.digits[1] else f"{self.digits[0]}-{self.digits[1]}"
         self.name = name or f"add:digits={d},terms={self.terms},ops={self.ops}"
+        self.check_size()
+
+    def n_distinct(self) -> int | None:
+        lo, hi = self.digits
+        values = 10 ** hi - (10 ** (lo - 1) if lo > 1 else 0)  # operands: every number with lo..hi digits
+        return values ** self.terms * len(self.ops) ** (self.terms - 1)
 
     def _operand(self, rng: random.Random) -> int:
         d = rng.randint(*self.digits)

@@ -29,6 +29,7 @@ from deltalens.tasks.answers import lenient_number, normalize_number, stated_num
 CORRECT, FORMATTED, WRONG = 1.0, 0.1, 0.0
 SPLITS = ("validation", "test")  # fixed splits; the training stream is `Task.train`
 ANSWER_FORMAT = "#### <answer>"
+MAX_DRAWS = 100_000  # consecutive draws that give no new problem before a synthetic task gives up
 
 
 @dataclass(frozen=True)
@@ -178,18 +179,39 @@ class SyntheticTask(Task):
     def draw(self, rng: random.Random) -> Problem:
         raise NotImplementedError
 
+    def n_distinct(self) -> int | None:
+        """How many distinct problems `draw` can make (None: too many to matter)."""
+        return None
+
+    def check_size(self) -> None:
+        """Refuse a problem space too small for the held-out splits: test + validation may take at most half
+        of it, so the training stream keeps as many problems as are held out (else drawing would not end)."""
+        space, held = self.n_distinct(), self.n_test + self.n_validation
+        if space is not None and 2 * held > space:
+            raise DeltalensError(f"task {self.name} has only {space} distinct problems; test {self.n_test} + "
+                                 f"validation {self.n_validation} may take at most half of them: set smaller "
+                                 f"test=/validation= sizes (e.g. test={space // 4},validation={space // 4}) or "
+                                 "make it harder (digits, terms, ops)")
+
+    def _draws_exhausted(self, what: str) -> DeltalensError:
+        return DeltalensError(f"task {self.name}: {what} could not be drawn ({MAX_DRAWS} draws in a row gave no new "
+                              "problem); the problem space is too small for the split sizes")
+
     def _make_split(self, name: str) -> list[Problem]:
         raw = self.__dict__.setdefault("_raw", {})
         if name not in raw:
             taken = {p.prompt for p in self._make_split("test")} if name == "validation" else set()
             rng = random.Random(f"{self.name}-{name}-{self.seed}")
             n = self.n_test if name == "test" else self.n_validation
-            seen, out = set(), []
+            seen, out, misses = set(), [], 0
             while len(out) < n:
                 p = self.draw(rng)
                 if p.prompt not in seen and p.prompt not in taken:
                     seen.add(p.prompt)
                     out.append(p)
+                    misses = 0
+                elif (misses := misses + 1) > MAX_DRAWS:  # a backstop for tasks without n_distinct
+                    raise self._draws_exhausted(f"{n} distinct {name} problems")
             raw[name] = out
         return raw[name]
 
@@ -200,9 +222,12 @@ class SyntheticTask(Task):
 
     def _draw_train(self, n: int, rng: random.Random) -> list[Problem]:
         held = self._held_out()
-        out = []
+        out, misses = [], 0
         while len(out) < n:
             p = self.draw(rng)
             if p.prompt not in held:
                 out.append(p)
+                misses = 0
+            elif (misses := misses + 1) > MAX_DRAWS:
+                raise self._draws_exhausted("a training problem outside test and validation")
         return out
