@@ -1,7 +1,7 @@
 """Claim 6: the population size ES needs shrinks as the model grows (N = 8, 16, 32, 64 on two model sizes).
 
     python examples/06_population_scale.py --iterations 15 --populations 8,16,32,64 --seeds 0
-        # builds a second, larger tiny model once (hidden 256, 4 layers, MLP 704; ~2.9M params) into
+        # builds a second, larger tiny model once (hidden 256, 4 layers, MLP 704; ~3.0M params) into
         # --runs/tiny-large (deltalens.tiny.build.train, same SFT recipe as the bundled model: ~20-40 min
         # on 2 CPU cores), then 2 sizes x 4 N x seeds ES runs of --iterations each (N=64: ~30 s/iteration)
     python examples/06_population_scale.py --device cuda --population-batch 64 --seeds 0,1

@@ -4,7 +4,7 @@
     python examples/07_two_point.py --seeds 0 --pairs 16 --prompts 16 --sigma 1e-3   # ~15-30 s per seed and σ (2 cores)
     python examples/07_two_point.py --quick --seeds 0                      # seconds (tests)
 
-At the base model (tiny) and σ (default 1e-3, as asked; the tiny preset trains with 3e-3), draw K noise
+At the base model (tiny) and σ (default 1e-3, as asked; the tiny ES preset trains with 6e-3), draw K noise
 vectors ε_k (deltalens.training.es.engine.ESEngine with antithetic pairs, so members 2k / 2k+1 are +ε_k / -ε_k) and score
 each on the same P training prompts (greedy, as ES trains): R+_k, R-_k. Reported:
   rho            Pearson correlation of (R+_k, R-_k) over k
