@@ -265,3 +265,20 @@ def test_draw_backstop_for_tasks_without_a_size(monkeypatch):
     t.__dict__.pop("_raw", None)
     with pytest.raises(DeltalensError, match="could not be drawn"):
         t.split("test")
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("arith", "arith"),
+    ("add:digits=1-2,terms=2,shots=2", "add:digits=1-2,terms=2,ops=+,shots=2"),
+    ("add:shots=1,lenient=yes", "add:digits=2,terms=2,ops=+,lenient=true,shots=1"),
+    ("countdown:numbers=3", "countdown:numbers=3"),
+])
+def test_spec_records_every_option(spec, want):
+    """Results and cache keys record `task.spec`: it names shots/lenient/sizes (which `name` omits) and
+    rebuilds the same task (same prompts)."""
+    t = get_task(spec)
+    assert t.spec == want
+    again = get_task(t.spec)
+    assert again.spec == want
+    assert [p.chat() for p in again.test(3)] == [p.chat() for p in t.test(3)]
+    assert get_task("add:shots=1").spec != get_task("add").spec

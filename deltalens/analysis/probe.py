@@ -113,7 +113,7 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
               "mean_reward_std": sum((sum((x - sum(p) / len(p)) ** 2 for x in p) / len(p)) ** 0.5
                                      for p in pops) / len(pops)}
     out = {
-        "model": model_spec, "task": task.name, "split": split, "n_problems": len(problems),
+        "model": model_spec, "task": task.spec, "split": split, "n_problems": len(problems),
         "chat_template": backend.chat, "temperature": temperature, "samples": samples, "group": group,
         "max_new_tokens": max_new, "seed": seed,
         "pass_at_k": sampled["pass_at_k"], "maj_at_k": sampled["maj_at_k"], "mean_reward": sampled["mean_reward"],

@@ -53,7 +53,7 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
     t0 = time.time()
     completions = backend.generate(problem_prompts(problems, backend.chat), params, progress=tick)
     gen_s = time.time() - t0
-    out = {"task": task.name, "split": split, "n_problems": len(problems), "samples": samples,
+    out = {"task": task.spec, "split": split, "n_problems": len(problems), "samples": samples,
            "temperature": temperature, "top_p": top_p, "seed": seed, "max_new_tokens": params.max_new_tokens,
            "chat_template": backend.chat}
     out.update(summarize(task, problems, completions, ks, seed=seed, keep_completions=keep_completions))

@@ -144,13 +144,13 @@ class Measures:
         task = task or self.task
         samples = samples or cfg.samples
         ks = [k for k in cfg.ks if k <= samples] or [1]
-        key = self.cache.key("study-eval", weights=self.hash(spec), task=task.name, samples=samples, ks=ks,
+        key = self.cache.key("study-eval", weights=self.hash(spec), task=task.spec, samples=samples, ks=ks,
                              temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template)
 
         def compute():
             model, tok = self.model(spec)
             n = len(task.test(cfg.limit)) * samples
-            prog = self.progress_factory(f"eval {label} on {task.name} (seed {seed})", n) \
+            prog = self.progress_factory(f"eval {label} on {task.spec} (seed {seed})", n) \
                 if self.progress_factory else None
             return evaluate(model, tok, task, samples=samples, ks=ks, temperature=cfg.temperature,
                             limit=cfg.limit, seed=seed, progress=prog, chat_template=cfg.chat_template)
@@ -160,7 +160,7 @@ class Measures:
     def state_dict_pass1(self, base: str, sd: dict, tag: str, seed: int = 0) -> list[float]:
         """Per-problem Pass@1 of `sd` applied onto the base architecture (sparsity evaluations)."""
         cfg = self.cfg
-        key = self.cache.key("study-sparse-eval", weights=tag, task=self.task.name, samples=cfg.sparsify_samples,
+        key = self.cache.key("study-sparse-eval", weights=tag, task=self.task.spec, samples=cfg.sparsify_samples,
                              temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template)
 
         def compute():
@@ -177,7 +177,7 @@ class Measures:
         from deltalens.analysis.entropy import token_entropy
 
         cfg = self.cfg
-        key = self.cache.key("study-entropy", weights=self.hash(spec), task=self.task.name,
+        key = self.cache.key("study-entropy", weights=self.hash(spec), task=self.task.spec,
                              prompts=cfg.entropy_prompts, temperature=cfg.temperature, chat=cfg.chat_template)
 
         def compute():
@@ -428,7 +428,7 @@ def _sparsity(cfg: StudyConfig, m: Measures, run: dict, log: Log, R: int) -> dic
                 e = stats.paired_effect([p["threshold"]], [p[ctl]], resamples=R)
                 checks.append(_check(3, f"{meth}: threshold minus {ctl} at sparsity {target:g}, Pass@1", meth,
                                      "pass@1", e["estimate"], e["ci"], +1))
-    section = {"task": m.task.name, "ks": [1], "base_pass_at_k": {"1": sum(base_p1) / len(base_p1)},
+    section = {"task": m.task.spec, "ks": [1], "base_pass_at_k": {"1": sum(base_p1) / len(base_p1)},
                "full_pass_at_k": {"1": sum(full_p1) / len(full_p1)}, "points": points}
     return {"section": section, "checks": checks}
 

@@ -82,15 +82,31 @@ def get_task(name: str, data: str | None = None, question_field: str = "question
     base, opts = parse_spec(name)
     if base in TASKS:
         make, own = TASKS[base]
-        return make(seed=seed, **_options(base, opts, own))
-    if base in FILE_TASKS:
+        kw = _options(base, opts, own)
+        task = make(seed=seed, **kw)
+    elif base in FILE_TASKS:
         kw = _options(base, opts, {})
         if base == "gsm8k":
-            return GSM8KTask(data, seed=seed, **kw)
-        if data is None:
+            task = GSM8KTask(data, seed=seed, **kw)
+        elif data is None:
             raise DeltalensError("task 'jsonl' needs --data FILE.jsonl (with --question-field/--answer-field)")
-        return JsonlTask(data, question_field, answer_field, seed=seed, **kw)
-    raise DeltalensError(f"unknown task {base!r}; choose one of {', '.join(TASK_NAMES)}")
+        else:
+            task = JsonlTask(data, question_field, answer_field, seed=seed, **kw)
+    else:
+        raise DeltalensError(f"unknown task {base!r}; choose one of {', '.join(TASK_NAMES)}")
+    task._spec = canonical_spec(task.name, opts, kw)
+    return task
+
+
+def canonical_spec(task_name: str, given: dict[str, str], parsed: dict) -> str:
+    """`task_name` plus the given options its name does not already carry, in sorted order, with parsed
+    values (`lenient=yes` -> `lenient=true`)."""
+    base, in_name = parse_spec(task_name)
+    extra = {k: parsed[_RENAME.get(k, k)] for k in given if k not in in_name}
+    if not extra:
+        return task_name
+    text = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sorted(extra.items()))
+    return f"{task_name}{',' if in_name else ':'}{text}"
 
 
 def problem_columns(problems: list[Problem]) -> dict[str, list]:

@@ -69,8 +69,16 @@ class Task:
 
     def __init__(self, seed: int = 0, n_test: int = 500, n_validation: int = 500):
         self.seed, self.n_test, self.n_validation = seed, n_test, n_validation
+        self._spec: str | None = None
         self._splits: dict[str, list[Problem]] = {}
         self._examples: list[Problem] | None = None
+
+    @property
+    def spec(self) -> str:
+        """The spec that rebuilds this task with `get_task` (name plus every option that changes problems or
+        prompts, e.g. `add:digits=1-2,terms=2,ops=+,shots=2`): what results and cache keys record. `name`
+        alone (which seeds the splits) omits shots, lenient and split sizes."""
+        return self._spec or self.name
 
     # -- splits
     def test(self, limit: int | None = None) -> list[Problem]:
