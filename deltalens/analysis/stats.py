@@ -20,6 +20,7 @@ on the other side, "unclear" when it contains 0. Ratios (ES/GRPO distance) use 1
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -113,12 +114,15 @@ def gain_ratio(method, reference, base, *, resamples: int = RESAMPLES, level: fl
 
 def seed_bootstrap(values: Sequence[float], *, resamples: int = RESAMPLES, level: float = LEVEL,
                    seed: int = 0) -> tuple[float, float]:
-    """Percentile interval of the mean of per-seed values (e.g. a distance ratio per seed); one value:
-    the value itself (no spread to resample)."""
+    """Percentile interval of the mean of per-seed values (e.g. a distance ratio per seed). One value has
+    no spread to resample: the interval is undefined (NaN, NaN), so the verdict is unclear; one seed cannot
+    say how much another seed would differ."""
     v = np.asarray(values, dtype=float)
     if v.size == 0 or not np.isfinite(v).all():
         raise DeltalensError("seed_bootstrap needs finite values")
-    if v.size == 1 or np.ptp(v) == 0:
+    if v.size == 1:
+        return math.nan, math.nan
+    if np.ptp(v) == 0:
         return float(v[0]), float(v[0])
     rng = np.random.default_rng(seed)
     means = v[rng.integers(0, v.size, (resamples, v.size))].mean(1)

@@ -101,7 +101,7 @@ def get_task(name: str, data: str | None = None, question_field: str = "question
 def canonical_spec(task_name: str, given: dict[str, str], parsed: dict) -> str:
     """`task_name` plus the given options its name does not already carry, in sorted order, with parsed
     values (`lenient=yes` -> `lenient=true`)."""
-    base, in_name = parse_spec(task_name)
+    _, in_name = parse_spec(task_name)
     extra = {k: parsed[_RENAME.get(k, k)] for k in given if k not in in_name}
     if not extra:
         return task_name

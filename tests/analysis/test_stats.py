@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -60,7 +62,8 @@ def test_verdict_rule():
 
 
 def test_seed_bootstrap_and_errors():
-    assert stats.seed_bootstrap([10.7]) == (10.7, 10.7)
+    assert all(math.isnan(x) for x in stats.seed_bootstrap([10.7]))  # one seed: no interval
+    assert stats.verdict(stats.seed_bootstrap([10.7]), +1, null=1.0) == "unclear"
     lo, hi = stats.seed_bootstrap([10.0, 11.0, 12.0])
     assert 10.0 <= lo < 11.0 < hi <= 12.0
     with pytest.raises(DeltalensError, match="same problems"):
