@@ -52,7 +52,7 @@ def replay(model_spec: str, arithmetic: str, dtype: str, iterations: int, popula
         for m in range(population):
             eng.perturb(it, m, timing)
             eng.restore(it, m, timing)
-        changed = [(p.float() - start[n].float()).abs() for _, n, p in eng.params]
+        changed = [(p.detach().float() - start[n].float()).abs() for _, n, p in eng.params]
         drift_max = max(drift_max, max(float(c.max()) for c in changed))
         drift_frac = max(drift_frac, sum(int((c > 0).sum()) for c in changed) / sum(c.numel() for c in changed))
         z = [rng.gauss(0, 1) for _ in range(population)]
