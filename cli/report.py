@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from . import common as c
+
 
 def render(
     analysis_json: Annotated[Path, typer.Argument(
@@ -44,8 +46,7 @@ def report(
     config: Annotated[str | None, typer.Option("--config", help="architecture for bare weight files")] = None,
     seed: Annotated[int, typer.Option("--seed", help="evaluation seed")] = 0,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="recompute everything")] = False,
-    chat_template: Annotated[str, typer.Option("--chat-template", help="prompts through the tokenizer's chat "
-                                               "template: auto (when it has one), on, off")] = "auto",
+    chat_template: c.ChatTemplate = "auto",
 ) -> None:
     """Analyse BASE vs MODELS (diff, optional Pass@K, sparsification, diversity) into one HTML report.
 
@@ -59,7 +60,6 @@ def report(
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
 
-    from . import common as c
 
     out = output or default_report_path(models)
     floats = [] if not sparsify else c.parse_floats(sparsify, "--sparsify")

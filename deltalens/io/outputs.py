@@ -52,28 +52,25 @@ def _within(p: Path, d: Path) -> bool:
     return p == d or d in p.parents
 
 
-def model_inputs(spec: str | os.PathLike | ModelRef) -> list[_Input]:
+def model_inputs(spec: str | os.PathLike) -> list[_Input]:
     """The files and directories a model spec reads: a weight file (and the config.json beside it, which
     gives its architecture), a model directory, a run directory. Hub ids have none, nor has a spec that
     names nothing (reporting that is the command's job, with its own message)."""
-    if isinstance(spec, ModelRef):
-        ref = spec
+    p = Path(spec).expanduser()
+    if p.is_dir() and RunDir.is_run(p):
+        # a run directory is an input as a whole (its checkpoints, metrics and state are all read)
+        return [_Input(_real(p), str(spec), "run_dir")]
+    if p.exists():
+        ref = ModelRef(str(spec), "hf_dir" if p.is_dir() else "weights", p)
     else:
-        p = Path(spec).expanduser()
-        if p.is_dir() and RunDir.is_run(p):
-            # a run directory is an input as a whole (its checkpoints, metrics and state are all read)
-            return [_Input(_real(p), str(spec), "run_dir")]
-        if p.exists():
-            ref = ModelRef(str(spec), "hf_dir" if p.is_dir() else "weights", p)
-        else:
-            try:
-                ref = resolve(str(spec))  # tiny, smollm2, hub ids
-            except DeltalensError:
-                return []
+        try:
+            ref = resolve(str(spec))  # tiny, smollm2, hub ids
+        except DeltalensError:
+            return []
     if ref.kind == "hub":
         return []
     loc = Path(ref.location)
-    out = [_Input(_real(ref.run), ref.spec, "run_dir")] if ref.run is not None else []
+    out = []
     if loc.is_dir():
         out.append(_Input(_real(loc), ref.spec, "model_dir"))
     else:

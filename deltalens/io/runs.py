@@ -256,7 +256,7 @@ class RunDir:
         """Drop rows after iteration `upto` (on resume, rows past the last checkpoint are redone)."""
         rows = [r for r in self.metrics() if r.get(key, -1) <= upto]
         with atomic_path(self.path / "metrics.jsonl") as tmp:
-            Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     # -- checkpoints
     def save(self, model, tokenizer, name: str, state: dict, save_pt: bool = False) -> Path:

@@ -211,10 +211,10 @@ class SyntheticTask(Task):
             taken = {p.prompt for p in self._make_split("test")} if name == "validation" else set()
             rng = random.Random(f"{self.name}-{name}-{self.seed}")
             n = self.n_test if name == "test" else self.n_validation
-            seen, out, misses = set(), [], 0
+            seen, out, misses = set(taken), [], 0
             while len(out) < n:
                 p = self.draw(rng)
-                if p.prompt not in seen and p.prompt not in taken:
+                if p.prompt not in seen:
                     seen.add(p.prompt)
                     out.append(p)
                     misses = 0
