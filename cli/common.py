@@ -72,6 +72,16 @@ def progress_bar(transient: bool = False) -> Progress:
                     os.environ.get("DELTALENS_PROGRESS") != "1")
 
 
+def bar_factory(bar: Progress, prefix: str = ""):
+    """progress_factory(desc, total) -> progress(done, total=None): one task of `bar` per call."""
+
+    def factory(desc, total):
+        tid = bar.add_task(prefix + desc, total=total)
+        return lambda done, _total=None: bar.update(tid, completed=done)
+
+    return factory
+
+
 def parse_floats(text: str, what: str) -> list[float]:
     """'2.5e-4,5e-4' -> [0.00025, 0.0005] with a one-line error naming the option."""
     try:

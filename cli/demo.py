@@ -24,10 +24,7 @@ def demo(
     from .study import show
 
     with c.progress_bar() as bar:
-        def factory(desc, total):
-            tid = bar.add_task(desc, total=total)
-            return lambda done, _t=None: bar.update(tid, completed=done)
-
+        factory = c.bar_factory(bar)
         doc = run_demo(out, budget=budget, limit=limit, samples=samples, seed=seed, progress_factory=factory,
                        log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"))
     evals = doc["evals"]

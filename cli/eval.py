@@ -43,10 +43,7 @@ def eval_cmd(
     check_outputs([Output(json_out, "--json")], models=[*models, config], files=[data])
     t = get_task(task or default_task(models[0]), data=data, question_field=question_field, answer_field=answer_field)
     with c.progress_bar() as bar:
-        def factory(lbl, total):
-            tid = bar.add_task(f"eval {lbl}", total=total)
-            return lambda done, _total: bar.update(tid, completed=done)
-
+        factory = c.bar_factory(bar, "eval ")
         result = evaluate_models(models, t, labels=label, config=config, dtype=dtype, samples=samples, ks=k,
                                  temperature=temperature, limit=limit, max_new_tokens=max_new_tokens,
                                  seed=seed, backend=backend, chat_template=chat_template, device=device, split=split,

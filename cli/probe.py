@@ -45,10 +45,7 @@ def probe_cmd(
 
     t = get_task(task or default_task(model), data=data, question_field=question_field, answer_field=answer_field)
     with c.progress_bar() as bar:
-        def factory(desc, total):
-            tid = bar.add_task(desc, total=total)
-            return lambda done, _t=None: bar.update(tid, completed=done)
-
+        factory = c.bar_factory(bar)
         res = probe(model, t, split=split, limit=limit, samples=samples, group=group, temperature=temperature,
                     max_new_tokens=max_new_tokens, chat_template=chat_template, es_preset=preset or auto_preset(model),
                     es_members=es_members, es_prompts=es_prompts, es_populations=es_populations, es_sigma=es_sigma,

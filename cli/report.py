@@ -71,10 +71,7 @@ def report(
                    None if no_cache else Output(out.with_suffix(".cache"), "the cache", directory=True)],
                   models=[base, *models, config], files=[data])
     with c.progress_bar() as bar:
-        def factory(desc, total):
-            tid = bar.add_task(desc, total=total)
-            return lambda done, _t: bar.update(tid, completed=done)
-
+        factory = c.bar_factory(bar)
         doc = build_analysis(base, models, labels=label, task=task, data=data, samples=samples, ks=k,
                              temperature=temperature, limit=limit, seed=seed, sparsify=floats,
                              sparsity_targets=targets, diversity=diversity,

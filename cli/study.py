@@ -41,10 +41,7 @@ def _run(kwargs: dict) -> None:
     cfg = StudyConfig.resolve(given={**given, "model": kwargs["model"]})
     out = kwargs["out"]
     with c.progress_bar() as bar:
-        def factory(desc, total):
-            tid = bar.add_task(desc, total=total)
-            return lambda done, _t=None: bar.update(tid, completed=done)
-
+        factory = c.bar_factory(bar)
         doc = run_study(cfg, out, log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"), progress_factory=factory)
     show(doc, Path(out))
 

@@ -17,7 +17,7 @@ from deltalens.generation import SamplingParams
 
 
 def check_eval_options(*, samples: int = 32, ks: str | Sequence[int] | None = None, temperature: float = 0.6,
-                       limit: int | None = None, max_new_tokens: int | None = None, top_p: float = 1.0) -> None:
+                       limit: int | None = None, max_new_tokens: int | None = None) -> None:
     """Raise a one-line DeltalensError naming the first bad option; return None when all are valid."""
     if samples < 1:
         raise DeltalensError(f"--samples must be >= 1 (got {samples})")
@@ -25,7 +25,7 @@ def check_eval_options(*, samples: int = 32, ks: str | Sequence[int] | None = No
         raise DeltalensError(f"--limit must be >= 1 (got {limit}); omit it to evaluate every test problem")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise DeltalensError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
-    SamplingParams(n=samples, temperature=temperature, top_p=top_p)  # its own one-line errors
+    SamplingParams(n=samples, temperature=temperature)  # its own one-line errors
     if ks is not None:
         k = parse_ks(ks)
         if max(k) > samples:

@@ -31,10 +31,10 @@ from deltalens.analysis.delta import diff_checkpoints
 from deltalens.analysis.document import analysis_document, model_entry
 from deltalens.analysis.report import Cache, training_section, weights_hash
 from deltalens.errors import DeltalensError
-from deltalens.evaluation import evaluate
+from deltalens.evaluation import evaluate, evaluate_state_dict
 from deltalens.evaluation.passk import pass_at_k
 from deltalens.io.atomic import write_json_atomic
-from deltalens.io.models import apply_state_dict, load_model
+from deltalens.io.models import load_model
 from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
 from deltalens.presets import auto_preset
@@ -127,6 +127,7 @@ class Measures:
         self.task = get_task(cfg.task)
         self.hashes: dict[str, str] = {}
         self._loaded: dict = {}
+        self._sparse: dict = {}  # the base model the sparsity evaluations overwrite (evaluate_state_dict's cache)
 
     def hash(self, spec: str) -> str:
         if spec not in self.hashes:
@@ -136,6 +137,7 @@ class Measures:
     def model(self, spec: str):
         if spec not in self._loaded:
             self._loaded.clear()  # one model in memory at a time
+            self._sparse.clear()
             self._loaded[spec] = load_model(spec)
         return self._loaded[spec]
 
@@ -164,11 +166,12 @@ class Measures:
                              temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template)
 
         def compute():
-            model, tok = self.model(base)
-            apply_state_dict(model, sd, source="sparsified weights")
-            self._loaded.clear()  # the loaded model now holds other weights
-            res = evaluate(model, tok, self.task, samples=cfg.sparsify_samples, ks=[1], temperature=cfg.temperature,
-                           limit=cfg.limit, seed=seed, chat_template=cfg.chat_template)
+            if not self._sparse:
+                self._loaded.clear()  # one model in memory at a time
+            # one load of the base for the whole sweep: every call overwrites all its weights
+            res = evaluate_state_dict(base, sd, self.task, samples=cfg.sparsify_samples, ks=[1],
+                                      temperature=cfg.temperature, limit=cfg.limit, seed=seed,
+                                      model_cache=self._sparse, chat_template=cfg.chat_template)
             return {"pass1": [r["correct"] / r["n"] for r in res["per_problem"]]}
 
         return self.cache.get_or_compute(key, compute, self.log)["pass1"]

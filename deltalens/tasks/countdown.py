@@ -14,10 +14,8 @@ import re
 from collections import Counter
 from fractions import Fraction
 
-from deltalens.tasks.answers import final_answer
+from deltalens.tasks.answers import _BOXED_RE, final_answer
 from deltalens.tasks.base import CORRECT, FORMATTED, WRONG, Problem, SyntheticTask, completion_text
-
-_BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
 
 _ALLOWED_NODES = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div,
                   ast.UnaryOp, ast.USub)

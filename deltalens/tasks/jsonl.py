@@ -120,7 +120,8 @@ class JsonlTask(Task):
         got = final_answer(completion)
         if got is None:
             return None
-        return normalize_number(got) if normalize_number(got) is not None else (got or None)
+        number = normalize_number(got)
+        return number if number is not None else (got or None)
 
     def check(self, extracted: str, answer: str) -> bool:
         want = normalize_number(answer)

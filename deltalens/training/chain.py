@@ -222,22 +222,24 @@ def train_chain(out: str | Path, methods: Sequence[str] = ("es", "grpo"), *, mod
     if not methods:
         raise DeltalensError("a chain needs at least one method")
     run = RunDir(out)
+    cfgs = None
     if not resume:  # refused before the run directory is created: a bad task, data, model or budget leaves none
         run.check_create(overwrite)
         get_task(task, data=data, question_field=question_field, answer_field=answer_field).test()
         resolve(model)
-        stage_configs(out, methods, model, task, {"es": es_config, "grpo": grpo_config},
-                      {"data": data, "question_field": question_field, "answer_field": answer_field}, budget,
-                      fractions)
+        cfgs = stage_configs(out, methods, model, task, {"es": es_config, "grpo": grpo_config},
+                             {"data": data, "question_field": question_field, "answer_field": answer_field}, budget,
+                             fractions)
     with run.writing():  # one writer at a time (each stage also locks its own directory)
         return _train_chain(run, methods, model=model, task=task, data=data, question_field=question_field,
                             answer_field=answer_field, budget=budget, fractions=fractions, es_config=es_config,
-                            grpo_config=grpo_config, resume=resume, overwrite=overwrite, progress=progress)
+                            grpo_config=grpo_config, resume=resume, overwrite=overwrite, progress=progress,
+                            cfgs=cfgs)
 
 
 def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question_field, answer_field, budget,
-                 fractions, es_config, grpo_config, resume, overwrite, progress) -> Path:
-    """train_chain under the chain's writer lock."""
+                 fractions, es_config, grpo_config, resume, overwrite, progress, cfgs) -> Path:
+    """train_chain under the chain's writer lock; `cfgs`: a new chain's stage configs (None on resume)."""
     from deltalens.training.es.train import train_es  # the trainers load torch: only when a chain runs
     from deltalens.training.grpo.train import train_grpo
 
@@ -255,9 +257,6 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
             cfgs = stage_configs(out, methods, stored["model"], stored["task"],
                                  {"es": es_config, "grpo": grpo_config}, task_fields, stored.get("budget"),
                                  stored.get("fractions"))
-    else:
-        cfgs = stage_configs(out, methods, model, task, {"es": es_config, "grpo": grpo_config}, task_fields,
-                             budget, fractions)
     top = {"method": "-".join(methods), "methods": methods, "model": model, "task": task, **task_fields,
            "budget": budget, "fractions": list(fractions) if fractions is not None else None,
            "stages": [{"method": m, "dir": d, "config": c.to_dict()} for m, d, c in zip(methods, dirs, cfgs)],

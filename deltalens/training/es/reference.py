@@ -68,12 +68,13 @@ class ReferenceArithmetic:
         """p += α · (Σ_i z_i ε_i) / N, accumulated in the weight dtype, member by member."""
         cfg = self.engine.config
         t0, noise_s, sq = time.perf_counter(), 0.0, 0.0
-        members = [(member_noise(i, cfg.antithetic), float(zi)) for i, zi in enumerate(z)]
+        members = [(self.member_seed(iteration, k), sign, float(zi))
+                   for i, zi in enumerate(z) for k, sign in [member_noise(i, cfg.antithetic)]]
         for p in self.params:
             u = torch.zeros_like(p)
-            for (k, sign), zi in members:
+            for seed, sign, zi in members:
                 t1 = time.perf_counter()
-                eps = self.noise(p, self.member_seed(iteration, k))
+                eps = self.noise(p, seed)
                 noise_s += time.perf_counter() - t1
                 u.add_(eps.mul_(sign * zi))
             u.div_(cfg.population)

@@ -83,7 +83,7 @@ def _train(run: RunDir, config: ESConfig, task, engine: ESEngine | None, resume:
     if start == config.iterations:
         return run.path
 
-    if engine is None or start > 0:
+    if engine is None:  # a resume: the engine starts from the latest checkpoint
         model, tok = load_model(model_spec, dtype=config.dtype, device=config.device)
         engine = ESEngine(model, tok, task, config)
     model, tok = engine.model, engine.tok

@@ -263,7 +263,7 @@ def load_trainer_state(path: Path) -> dict:
 
 
 def _held_out(model, tok, task, config: GRPOConfig) -> dict:
-    """Greedy Pass@1 on the first `eval_limit` test problems (the same measure ES logs)."""
+    """Greedy Pass@1 on the first `eval_limit` validation problems (the same measure ES logs)."""
     return held_out_pass_at_1(model, tok, task, limit=config.eval_limit,
                               max_new_tokens=config.max_new_tokens or task.max_new_tokens,
                               backend=HFBackend(model, tok, chat_template=config.chat_template))
