@@ -32,6 +32,9 @@ def probe_cmd(
     question_field: c.QuestionField = "question",
     answer_field: c.AnswerField = "answer",
     dtype: c.Dtype = "fp32",
+    backend: Annotated[str, typer.Option("--backend", help="backend of the sampled and greedy passes: hf, or vllm "
+                                         "(docs/vllm.md); ES populations always score on HF, as training does")
+                       ] = "hf",
     seed: c.Seed = 0,
     json_out: c.JsonOut = None,
 ):
@@ -49,7 +52,7 @@ def probe_cmd(
         res = probe(model, t, split=split, limit=limit, samples=samples, group=group, temperature=temperature,
                     max_new_tokens=max_new_tokens, chat_template=chat_template, es_preset=preset or auto_preset(model),
                     es_members=es_members, es_prompts=es_prompts, es_populations=es_populations, es_sigma=es_sigma,
-                    seed=seed, dtype=dtype, log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"),
+                    seed=seed, dtype=dtype, backend=backend, log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"),
                     progress_factory=factory)
     table = Table(title=f"{model} on {t.name} ({split}, {res['n_problems']} problems x {samples} samples, "
                         f"T={temperature}{', chat template' if res['chat_template'] else ''})")

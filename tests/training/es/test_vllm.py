@@ -312,6 +312,28 @@ def test_evaluate_through_vllm_backend_equals_hf(fake_vllm):
     assert [p["majority"] for p in r_v["per_problem"]] == [p["majority"] for p in r_h["per_problem"]]
 
 
+def test_probe_through_vllm_backend(fake_vllm):
+    """`deltalens probe --backend vllm`: the sampled and greedy passes go through the engine (two generate
+    calls on the fake engine, which runs the same HF weights), the ES populations through HF as training
+    scores them: the figures equal the HF probe's, and the result says which backend sampled."""
+    _need_tiny()
+    from deltalens.analysis.probe import probe
+    from deltalens.tasks import get_task
+
+    kw = {"limit": 6, "samples": 2, "group": 2, "temperature": 1e-4, "es_members": 2, "es_prompts": 4,
+          "es_populations": 1, "es_preset": "tiny", "max_new_tokens": 16}
+    v = probe("tiny", get_task("arith"), backend="vllm", **kw)
+    assert len(FakeLLM.instances) == 1 and len(FakeLLM.instances[0].calls) == 2
+    assert [(sp[0] if isinstance(sp, list) else sp).n for _, sp in FakeLLM.instances[0].calls] == [2, 1]
+    h = probe("tiny", get_task("arith"), **kw)
+    assert (v["backend"], h["backend"]) == ("vllm", "hf")
+    for key in ("greedy_pass_at_1", "greedy_mean_reward", "pass_at_k", "format_rate", "verdict"):
+        assert v[key] == h[key], key
+    assert v["es"]["rewards"] == h["es"]["rewards"]
+    with pytest.raises(DeltalensError, match="unknown backend"):
+        probe("tiny", get_task("arith"), backend="onnx", **kw)
+
+
 # ---------------------------------------------------------------------------------------------
 # ES through the worker extension
 
