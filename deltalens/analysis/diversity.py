@@ -203,6 +203,11 @@ def encode_prompts(tok, prompts: Sequence, chat_template="auto") -> list[list[in
     return ids
 
 
+def problem_ids(tok, problems, chat_template="auto") -> list[list[int]]:
+    """Token ids of each problem's prompt in the form the chat-template setting picks (`encode_prompts`)."""
+    return encode_prompts(tok, problem_prompts(problems, uses_chat(tok, chat_template)), chat_template)
+
+
 def _cut(row: list[int], eos: int) -> tuple[int, ...]:
     """A response as sampled: up to and including the first EOS, else all max_new_tokens tokens."""
     return tuple(row[: row.index(eos) + 1]) if eos in row else tuple(row)
@@ -407,8 +412,7 @@ def population_divergence(population: Population, task, problems, *, samples: in
     if samples < 1 or n_p < 1:
         raise DeltalensError(f"need samples >= 1 and at least one prompt (got {samples}, {n_p})")
     mnt = max_new_tokens or task.max_new_tokens
-    chat = uses_chat(tok, chat_template)
-    prompt_ids = encode_prompts(tok, problem_prompts(problems, chat), chat_template)
+    prompt_ids = problem_ids(tok, problems, chat_template)
     do_centre = population.centre is not None and centre_samples != 0
     centre_samples = centre_samples or n * samples
     total, done = 2 * n + int(do_centre), 0
@@ -541,7 +545,7 @@ def fisher_trace(model, tok, task, problems, params: Sequence[torch.Tensor], *, 
     (d_k·∇ log π(y))² per sample, the Fisher quadratic form of each direction (the law on drawn noise).
     """
     mnt = max_new_tokens or task.max_new_tokens
-    prompt_ids = encode_prompts(tok, problem_prompts(problems, uses_chat(tok, chat_template)), chat_template)
+    prompt_ids = problem_ids(tok, problems, chat_template)
     resp = sample_responses(model, tok, prompt_ids, samples, temperature=temperature, max_new_tokens=mnt,
                             seed=_seed(seed, "fisher"))
     params = list(params)
@@ -633,8 +637,7 @@ def sigma_sweep(model, tokenizer, task, sigmas: Sequence[float], *, config=None,
     sq = torch.cat([f["sq"] for f in fisher])  # (P·F,) every Fisher sample, prompts in order
     quad = torch.cat([f["quad"] for f in fisher]).mean(1) if directions is not None else None  # (P·F,) mean_i
     # the Fisher samples as distinct (prompt, response) pairs, scored once under the centre
-    prompt_ids = encode_prompts(tokenizer, problem_prompts(problems, uses_chat(tokenizer, chat_template)),
-                                chat_template)
+    prompt_ids = problem_ids(tokenizer, problems, chat_template)
     rows_of: dict[tuple[int, tuple[int, ...]], int] = {}
     sample_row = torch.tensor([rows_of.setdefault((x, y), len(rows_of)) for x, f in enumerate(fisher)
                                for y in f["responses"]])  # (P·F,) -> distinct pair

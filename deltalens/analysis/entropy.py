@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from deltalens.analysis.diversity import _seed, encode_prompts, sample_responses, sequence_logprobs
-from deltalens.generation.prompts import problem_prompts, uses_chat
+from deltalens.analysis.diversity import _seed, problem_ids, sample_responses, sequence_logprobs
 
 
 @torch.no_grad()
 def token_entropy(model, tok, problems, *, samples: int = 4, temperature: float = 0.6,
                   max_new_tokens: int = 64, seed: int = 0, chat_template: str = "auto") -> list[float]:
     """Per problem: the mean next-token entropy (nats) at `temperature` along `samples` own samples."""
-    chat = uses_chat(tok, chat_template)
-    prompt_ids = encode_prompts(tok, problem_prompts(problems, chat), chat_template)
+    prompt_ids = problem_ids(tok, problems, chat_template)
     resp = sample_responses(model, tok, prompt_ids, samples, temperature=temperature, max_new_tokens=max_new_tokens,
                             seed=_seed(seed, "entropy"))
     items = [(p, y) for p in range(len(problems)) for y in resp[p]]
