@@ -171,7 +171,8 @@ def sparsify_cmd(
     task = task or default_task(base)
     check_points(taus, targets)
     check_eval_options(samples=samples, ks=ks, temperature=temperature, limit=limit)
-    get_task(task).test(limit)  # an unknown task is refused now, not after loading both checkpoints
+    problems_of = get_task(task)  # built once; an unknown task is refused now, not after loading both checkpoints
+    problems_of.test(limit)
     check_outputs([Output(json_out, "--json"), Output(out, "--out", directory=True)], models=[ckpt, base])
 
     cache: dict = {}  # one loaded model shared by every evaluation of the sweep
@@ -179,7 +180,7 @@ def sparsify_cmd(
     def evaluate(state_dict):
         from deltalens.evaluation import evaluate_state_dict
 
-        return evaluate_state_dict(base, state_dict, task, samples=samples, ks=ks, temperature=temperature,
+        return evaluate_state_dict(base, state_dict, problems_of, samples=samples, ks=ks, temperature=temperature,
                                    limit=limit, seed=seed, model_cache=cache, chat_template=chat_template)
 
     doc = sparsify_analysis(base, ckpt, taus, evaluate, sparsities=targets, label=label, task=task,

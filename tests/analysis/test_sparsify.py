@@ -168,11 +168,11 @@ def test_cli_sparsify(tmp_path, monkeypatch):
 
     def fake_evaluate_state_dict(spec, sd, task, *, samples, ks, temperature=0.6, limit=None, seed=0,
                                  model_cache=None, chat_template="auto"):
-        seen.append((spec, task, samples, tuple(ks), limit))
+        seen.append((spec, task.spec, samples, tuple(ks), limit, id(task)))
         changed = sum(int((sd[k].float() != base[k].float()).sum())
                       for k in base if base[k].is_floating_point())
         p = {str(k): 0.1 + changed / 10000 for k in ks}
-        return {"task": task, "n_problems": 3, "samples": samples, "temperature": temperature, "pass_at_k": p,
+        return {"task": task.spec, "n_problems": 3, "samples": samples, "temperature": temperature, "pass_at_k": p,
                 "maj_at_k": p, "mean_reward": 0.1}
 
     monkeypatch.setattr(deltalens.evaluation, "evaluate_state_dict", fake_evaluate_state_dict)
@@ -188,7 +188,8 @@ def test_cli_sparsify(tmp_path, monkeypatch):
     s = doc["sparsify"]["run"]
     assert s["ks"] == [1, 4] and len(s["points"]) == 2 and s["task"] == "arith"
     assert doc["models"][0]["label"] == "run" and set(doc["evals"]) == {"base", "run"}
-    assert seen[0] == (str(b), "arith", 4, (1, 4), 3)
+    assert seen[0][:5] == (str(b), "arith", 4, (1, 4), 3)
+    assert len(seen) == 4 and len({x[5] for x in seen}) == 1  # base, full, 2 points: one Task object for all
     res = CliRunner().invoke(app, ["sparsify", str(c), "--base", str(b), "--sparsity", "0.5,x"])
     assert res.exit_code == 2 and "comma-separated" in res.output
 
