@@ -31,7 +31,7 @@ def show(doc: dict, out: Path) -> None:
     c.console.print(t)
     c.console.print(study["rule"], highlight=False)
     c.console.print(f"report: {out / 'report.html'}  analysis: {out / 'analysis.json'}  verdicts: "
-                    f"{out / 'verdicts.csv'}")
+                    f"{out / 'verdicts.csv'}, {out / 'verdicts.md'}")
 
 
 def _run(kwargs: dict) -> None:

@@ -33,7 +33,7 @@ from deltalens.analysis.report import Cache, training_section, weights_hash
 from deltalens.errors import DeltalensError
 from deltalens.evaluation import evaluate, evaluate_state_dict
 from deltalens.evaluation.passk import pass_at_k
-from deltalens.io.atomic import write_json_atomic
+from deltalens.io.atomic import atomic_path, write_json_atomic
 from deltalens.io.models import load_model
 from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
@@ -236,6 +236,7 @@ CLAIMS = {
 def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_factory=None) -> dict:
     """Train, measure, test every claim, write DIR/analysis.json, DIR/report.html, DIR/verdicts.csv."""
     from deltalens.reports import render_report
+    from deltalens.reports.markdown import study_markdown
 
     out = Path(out)
     check_outputs([Output(out, "--out", directory=True)], models=[cfg.model])
@@ -384,7 +385,10 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
                             study=study)
     doc = {k: v for k, v in doc.items() if v is not None}
     write_json_atomic(doc, out / "analysis.json")
-    stats.table(checks).to_csv(out / "verdicts.csv", index=False)
+    with atomic_path(out / "verdicts.csv") as tmp:
+        stats.table(checks).to_csv(tmp, index=False)
+    with atomic_path(out / "verdicts.md") as tmp:
+        tmp.write_text(study_markdown(doc))
     render_report(doc, out / "report.html")
     return doc
 

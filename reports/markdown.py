@@ -1,0 +1,89 @@
+"""The study section of an `analysis.json` as Markdown (`DIR/verdicts.md` of `deltalens study`).
+
+Generated, never hand-written: docs/reproduction.md quotes this file as the study wrote it, so the
+tables in the docs are the ones the verdict rule produced. Reads only JSON (no torch), like the HTML report.
+
+    from deltalens.reports.markdown import study_markdown
+    text = study_markdown(json.load(open("analysis.json")))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import as_dict, as_list, fmt_g, num
+
+
+def _ci(lo: Any, hi: Any) -> str:
+    lo, hi = num(lo), num(hi)
+    return "undefined" if lo is None or hi is None else f"[{fmt_g(lo)}, {fmt_g(hi)}]"
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(_cell(c) for c in r) + " |" for r in rows)]
+
+
+def effects_table(study: dict) -> list[str]:
+    """Rows: methods; columns: each metric@K as 'method value (difference vs base [95% interval])'."""
+    effects = as_dict(study.get("effects"))
+    cols: list[str] = []
+    methods: list[str] = []
+    for key in effects:
+        meth, col = str(key).split(":", 1)
+        cols += [col] if col not in cols else []
+        methods += [meth] if meth not in methods else []
+    if not cols:
+        return []
+    cols.sort(key=lambda c: (not c.startswith("pass"), int(c.split("@")[1])))
+    label = {c: c.replace("pass@", "Pass@").replace("maj@", "Maj@") for c in cols}
+    base = ["base"] + [fmt_g(as_dict(effects.get(f"{methods[0]}:{c}")).get("base")) for c in cols]
+    rows = [base]
+    for meth in methods:
+        row = [meth]
+        for c in cols:
+            e = as_dict(effects.get(f"{meth}:{c}"))
+            ci = as_list(e.get("ci")) + [None, None]
+            d = num(e.get("estimate"))
+            row.append("—" if d is None else
+                       f"{fmt_g(e.get('method'))} ({'+' if d >= 0 else ''}{fmt_g(d)} {_ci(ci[0], ci[1])})")
+        rows.append(row)
+    return _table(["model", *(label[c] for c in cols)], rows)
+
+
+def claims_table(study: dict) -> list[str]:
+    rows = []
+    for cl in as_list(study.get("claims")):
+        cl = as_dict(cl)
+        rows.append([f"**{cl.get('id')}**", f"**{cl.get('title')}**", "", "", "", f"**{cl.get('verdict')}**"])
+        for c in as_list(cl.get("checks")):
+            c = as_dict(c)
+            rows.append(["", c.get("check"), fmt_g(c.get("estimate")), _ci(c.get("ci_low"), c.get("ci_high")),
+                         f"{c.get('direction')} vs {fmt_g(num(c.get('null')) or 0.0)}", c.get("verdict")])
+    return _table(["#", "claim / check", "estimate", "95% interval", "paper's direction", "verdict"], rows)
+
+
+def study_markdown(analysis: dict) -> str:
+    """The study's settings, Pass@K/Maj@K effects against the base, and the verdict table, as Markdown."""
+    study = as_dict(analysis.get("study"))
+    cfg = as_dict(study.get("config"))
+    runs = as_list(study.get("runs"))
+    seeds = cfg.get("seeds")
+    lines = [(f"Study of `{cfg.get('model')}` on `{cfg.get('task')}`: methods {', '.join(map(str, as_list(cfg.get('methods'))))}; "
+             f"training seeds {', '.join(map(str, as_list(seeds)))}; budget {fmt_g(cfg.get('budget'))} units per method "
+             f"(preset {cfg.get('preset')}); {len(runs)} runs; test problems: "
+             f"{cfg.get('limit') or 'the whole test split'}, {cfg.get('samples')} samples at T = "
+             f"{cfg.get('temperature')}; base evaluated with {cfg.get('base_seeds')} sampling seeds; "
+             f"{cfg.get('resamples')} bootstrap resamples; {fmt_g(study.get('seconds'))} s for this pass."), ""]
+    eff = effects_table(study)
+    if eff:
+        lines += [("Pass@K and Maj@K (mean over seeds; in brackets the difference from the base and its 95% interval "
+                   "over problems and seeds):"), "", *eff, ""]
+    if study.get("rule"):
+        lines += [f"Verdict rule: {study['rule']}", ""]
+    lines += claims_table(study)
+    return "\n".join(lines) + "\n"
