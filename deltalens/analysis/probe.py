@@ -75,7 +75,9 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
     max_new = max_new_tokens or task.max_new_tokens
     cfg = None
     if es_populations > 0:
-        cfg = ESConfig.preset(es_preset, model=model_spec, population=es_members,
+        # the preset's population batching, capped at the probe's population (smollm2: 16 > 8 members)
+        batch = min(ESConfig.preset(es_preset).population_batch, es_members)
+        cfg = ESConfig.preset(es_preset, model=model_spec, population=es_members, population_batch=batch,
                               prompts_per_iteration=es_prompts, max_new_tokens=max_new_tokens, seed=seed,
                               chat_template=chat_template, **({"sigma": es_sigma} if es_sigma else {}))
         if cfg.antithetic and es_members % 2:

@@ -42,3 +42,11 @@ def test_cli_json(tmp_path):
     assert doc["probe"]["model"]["task"] == "arith" and doc["probe"]["model"]["es"] is None
     r = run_cli(["probe", tiny_spec(), "--samples", "6", "--group", "4"])
     assert r.exit_code == 2 and "multiple of --group" in r.output
+
+
+def test_preset_population_batch_is_capped_at_the_probe_population():
+    """The smollm2 ES preset batches 16 members; the probe's populations are smaller (default 8) and must
+    still run (before, `deltalens probe smollm2` stopped with "population_batch 16 exceeds the population 8")."""
+    res = probe(tiny_spec(), get_task("arith"), limit=2, samples=2, group=2, es_members=4, es_prompts=2,
+                es_populations=1, es_preset="smollm2", max_new_tokens=8)
+    assert res["es"]["members"] == 4 and len(res["es"]["rewards"][0]) == 4
