@@ -99,6 +99,11 @@ class VLLMBackend:
             kw["enable_prefix_caching"] = enable_prefix_caching
         if worker_extension_cls is not None:
             kw["worker_extension_cls"] = worker_extension_cls
+        if _cpu_platform():
+            # vLLM 0.32's CPU build dies ("CPU Generator does not use offset") when chunked prefill splits the
+            # prompt of a request with its own seed (ours all have one): it rewinds the request's generator,
+            # which CPU generators cannot. Whole-prompt prefills avoid it (measured: docs/vllm.md).
+            kw["enable_chunked_prefill"] = False
         kw.update(llm_kwargs)
         try:
             llm = vllm.LLM(**kw)
@@ -215,17 +220,22 @@ class VLLMBackend:
             self._tmpdir = None
 
 
+def _cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform (False when it cannot say, e.g. a fake vllm in tests)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001 - no platform module (fake vllm), or it could not say
+        return False
+
+
 def _load_hint() -> str:
     """What to try when vLLM's CPU build does not start: without VLLM_CPU_KVCACHE_SPACE its worker reserves
     gpu_memory_utilization of the machine's memory and refuses to start when that much is not free."""
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return ""
-    try:
-        from vllm.platforms import current_platform
-
-        return CPU_KV_HINT if current_platform.is_cpu() else ""
-    except Exception:  # noqa: BLE001 - no platform module (fake vllm), or it could not say
-        return ""
+    return CPU_KV_HINT if _cpu_platform() else ""
 
 
 def _repetition_penalty(path: str, kind: str) -> float | None:

@@ -62,3 +62,21 @@ def test_pass_at_1_agrees(backends):
     assert p_vllm - p_hf == pytest.approx(mean)
     assert abs(mean) <= 3 * se, f"Pass@1 HF {p_hf:.4f} vs vLLM {p_vllm:.4f}: difference {mean:+.4f}, se {se:.4f}"
     assert 0.1 < p_hf < 0.5  # tiny's Pass@1 is about 0.27: the comparison is not between two zeros
+
+
+def test_seeded_sampling_survives_chunked_scheduling():
+    """vLLM 0.32's CPU build died ("CPU Generator does not use offset") when chunked prefill split the prompt
+    of a seeded request; the backend turns chunked prefill off there. A small token budget per step (256)
+    forces the split that killed `deltalens probe smollm2 --backend vllm` at 200 problems x 32 samples."""
+    real_vllm()
+    from deltalens.generation import SamplingParams
+    from deltalens.generation.vllm import VLLMBackend
+    from deltalens.tasks import get_task
+
+    be = VLLMBackend.from_spec(tiny_spec(), dtype="fp32", max_num_batched_tokens=256, max_model_len=256)
+    try:
+        prompts = [p.prompt for p in get_task("arith").test(300)]
+        out = be.generate(prompts, SamplingParams(n=8, temperature=1.0, max_new_tokens=40, seed=0))
+    finally:
+        be.close()
+    assert len(out) == 300 and all(len(cs) == 8 for cs in out)

@@ -201,6 +201,21 @@ def test_load_error_on_cpu_build_says_kv_cache(fake_vllm, monkeypatch):
         VLLMBackend.from_spec("tiny")
 
 
+def test_cpu_build_prefills_whole_prompts(fake_vllm, monkeypatch):
+    """On vLLM's CPU platform chunked prefill is off unless the caller asks for it: vLLM 0.32's CPU build
+    dies ("CPU Generator does not use offset") when it splits the prompt of a seeded request."""
+    _need_tiny()
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    VLLMBackend.from_spec("tiny")
+    assert FakeLLM.instances[-1].kw["enable_chunked_prefill"] is False
+    VLLMBackend.from_spec("tiny", enable_chunked_prefill=True)
+    assert FakeLLM.instances[-1].kw["enable_chunked_prefill"] is True
+    platforms.current_platform = SimpleNamespace(is_cpu=lambda: False)
+    VLLMBackend.from_spec("tiny")
+    assert "enable_chunked_prefill" not in FakeLLM.instances[-1].kw
+
 def test_from_model_saves_a_temporary_dir(fake_vllm):
     _need_tiny()
     from deltalens.io.models import load_model
