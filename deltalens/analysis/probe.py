@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from deltalens.errors import DeltalensError
 from deltalens.evaluation.passk import summarize
-from deltalens.generation import BACKENDS, HFBackend, SamplingParams
+from deltalens.generation import BACKENDS, SamplingParams, backend_for_spec
 from deltalens.generation.prompts import problem_prompts
 from deltalens.io.models import load_model
 from deltalens.tasks import Task
@@ -69,7 +69,7 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
                              "each prompt's samples)")
     if group < 2:
         raise DeltalensError(f"--group must be >= 2 (got {group}): a group of one has no spread")
-    if backend not in BACKENDS:
+    if backend not in BACKENDS:  # before the sampling settings cost anything
         raise DeltalensError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     problems = task.split(split, limit)  # before any model loads: bad settings fail fast
     max_new = max_new_tokens or task.max_new_tokens
@@ -83,21 +83,14 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
         if cfg.antithetic and es_members % 2:
             raise DeltalensError(f"the {es_preset} ES preset uses antithetic pairs: --es-members must be even")
     t0 = time.perf_counter()
-    model = tok = None
-    if backend == "vllm":  # vLLM loads its own weights; the HF copy is loaded only for the ES populations
-        from deltalens.generation.vllm import VLLMBackend
-
-        gen = VLLMBackend.from_spec(model_spec, dtype=dtype, chat_template=chat_template)
-    else:
-        model, tok = load_model(model_spec, dtype=dtype)
-        gen = HFBackend(model, tok, chat_template=chat_template)
+    # vLLM loads its own weights (model None); the HF copy is then loaded only for the ES populations
+    gen, model, tok = backend_for_spec(backend, model_spec, dtype=dtype, device="cpu", chat_template=chat_template)
     try:
-        sampled, greedy, comps, rewards, chat = _passes(gen, task, problems, samples, group, temperature,
+        sampled, greedy, comps, rewards, prompts = _passes(gen, task, problems, samples, group, temperature,
                                                         max_new, seed, log, progress_factory)
     finally:
         if hasattr(gen, "close"):
             gen.close()  # frees the engine (and its KV cache) before the HF model loads
-    prompts = problem_prompts(problems, chat)
     groups = [r[i:i + group] for r in rewards for i in range(0, samples, group)]
     grpo_share = sum(_distinct(g) for g in groups) / len(groups)
     format_rate = sum(task.formatted(c) for cs in comps for c in cs) / (len(problems) * samples)
@@ -122,7 +115,7 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
                                      for p in pops) / len(pops)}
     out = {
         "model": model_spec, "task": task.spec, "split": split, "n_problems": len(problems),
-        "chat_template": chat, "backend": backend, "temperature": temperature, "samples": samples, "group": group,
+        "chat_template": gen.chat, "backend": backend, "temperature": temperature, "samples": samples, "group": group,
         "max_new_tokens": max_new, "seed": seed,
         "pass_at_k": sampled["pass_at_k"], "maj_at_k": sampled["maj_at_k"], "mean_reward": sampled["mean_reward"],
         "format_rate": format_rate, "greedy_pass_at_1": greedy["pass_at_k"]["1"],
@@ -158,4 +151,4 @@ def _passes(gen, task: Task, problems, samples: int, group: int, temperature: fl
     log("greedy decoding")
     greedy_comps = gen.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new))
     greedy = summarize(task, problems, greedy_comps, [1], seed=seed)
-    return sampled, greedy, comps, rewards, gen.chat
+    return sampled, greedy, comps, rewards, prompts

@@ -15,7 +15,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.evaluation.passk import parse_ks, summarize
-from deltalens.generation import HFBackend, SamplingParams, make_backend
+from deltalens.generation import HFBackend, SamplingParams, backend_for_spec
 from deltalens.generation.prompts import problem_prompts
 from deltalens.io.models import apply_state_dict, load_model
 from deltalens.io.spec import default_labels
@@ -103,14 +103,8 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
     labels = list(labels) if labels else default_labels(list(specs))
     result = new_document(None, [], evals={})
     for spec, label in zip(specs, labels):
-        if backend == "vllm":  # vLLM loads its own weights: no HF copy of the model in memory
-            from deltalens.generation.vllm import VLLMBackend
-
-            be = VLLMBackend.from_spec(spec, dtype=dtype, config=config, chat_template=chat_template)
-            model, tok = None, be.tok
-        else:
-            model, tok = load_model(spec, config=config, dtype=dtype, device=device)
-            be = make_backend(backend, model, tok, chat_template=chat_template)
+        be, model, tok = backend_for_spec(backend, spec, dtype=dtype, config=config, device=device,
+                                          chat_template=chat_template)
         prog = progress_factory(label, len(task.split(split, limit)) * samples) if progress_factory else None
         try:
             res = evaluate(model, tok, task, samples=samples, ks=ks, temperature=temperature, limit=limit,

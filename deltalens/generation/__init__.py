@@ -27,4 +27,19 @@ def make_backend(name: str, model, tokenizer, **kw) -> GenerationBackend:
     return HFBackend(model, tokenizer, **kw)
 
 
-__all__ = ["BACKENDS", "GenerationBackend", "HFBackend", "SamplingParams", "make_backend"]
+def backend_for_spec(name: str, spec: str, *, dtype: str = "fp32", config: str | None = None,
+                     device: str = "auto", chat_template="auto"):
+    """(backend, model, tokenizer) for a model spec: vLLM loads its own weights (model None, no HF copy in
+    memory); HF loads the model."""
+    if name == "vllm":
+        from deltalens.generation.vllm import VLLMBackend  # imports vllm lazily; clear error without it
+
+        be = VLLMBackend.from_spec(spec, dtype=dtype, config=config, chat_template=chat_template)
+        return be, None, be.tok
+    from deltalens.io.models import load_model
+
+    model, tok = load_model(spec, config=config, dtype=dtype, device=device)
+    return make_backend(name, model, tok, chat_template=chat_template), model, tok
+
+
+__all__ = ["BACKENDS", "GenerationBackend", "HFBackend", "SamplingParams", "backend_for_spec", "make_backend"]
