@@ -28,7 +28,11 @@ def eval_cmd(
     seed: c.Seed = 0,
     backend: c.Backend = "hf",
     chat_template: c.ChatTemplate = "auto",
-    split: c.Split = "test",
+    split: Annotated[str | None, typer.Option("--split", help="problems to use: test (reports) or validation "
+                                              "(tuning) [default: test]")] = None,
+    trained_on: Annotated[str | None, typer.Option("--trained-on", help="score the problems this run directory "
+                                                   "trained on (every iteration's prompts, up to its weights) "
+                                                   "instead of a split, with the run's task")] = None,
     device: c.Device = "auto",
 ):
     """Evaluate Pass@K and Maj@K (unbiased estimator, n samples per problem) and print a table."""
@@ -41,15 +45,31 @@ def eval_cmd(
 
     check_eval_options(samples=samples, ks=k, temperature=temperature, limit=limit, max_new_tokens=max_new_tokens)
     check_outputs([Output(json_out, "--json")], models=[*models, config], files=[data])
-    t = get_task(task or default_task(models[0]), data=data, question_field=question_field, answer_field=answer_field)
+    problems = None
+    if trained_on is not None:
+        from deltalens.errors import DeltalensError
+        from deltalens.training.trained import trained_problems
+
+        if split is not None:
+            raise DeltalensError("--trained-on replaces --split: pass one of them")
+        t, problems = trained_problems(trained_on)
+        if task is not None and get_task(task, data=data, question_field=question_field,
+                                         answer_field=answer_field).spec != t.spec:
+            raise DeltalensError(f"--task {task} differs from the task {trained_on} trained on ({t.spec}); drop --task")
+        split = "trained"
+    else:
+        split = split or "test"
+        t = get_task(task or default_task(models[0]), data=data, question_field=question_field,
+                     answer_field=answer_field)
     with c.progress_bar() as bar:
         factory = c.bar_factory(bar, "eval ")
         result = evaluate_models(models, t, labels=label, config=config, dtype=dtype, samples=samples, ks=k,
                                  temperature=temperature, limit=limit, max_new_tokens=max_new_tokens,
                                  seed=seed, backend=backend, chat_template=chat_template, device=device, split=split,
-                                 progress_factory=factory)
+                                 problems=problems, progress_factory=factory)
     first = next(iter(result["evals"].values()))
-    table = Table(title=f"{t.name} ({split}): {first['n_problems']} problems x {samples} samples, T={temperature}"
+    where = f"the prompts {trained_on} trained on" if trained_on is not None else split
+    table = Table(title=f"{t.name} ({where}): {first['n_problems']} problems x {samples} samples, T={temperature}"
                         f"{', chat template' if first.get('chat_template') else ''}")
     table.add_column("model")
     ks = list(first["pass_at_k"])

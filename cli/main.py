@@ -18,6 +18,7 @@ from .eval import eval_cmd
 from .probe import probe_cmd
 from .report import render, report
 from .study import study
+from .sweep import app as sweep_app
 
 app = typer.Typer(
     name="deltalens",
@@ -44,6 +45,7 @@ def _root(version: bool = typer.Option(False, "--version", help="print the versi
 
 app.command("demo")(common.guard(demo))
 app.add_typer(train_cmds.app, name="train")
+app.add_typer(sweep_app, name="sweep")
 app.command("eval")(common.guard(eval_cmd))
 app.command("probe")(common.guard(probe_cmd))
 app.command("study")(common.guard(study))

@@ -1,10 +1,12 @@
-"""The study section of an `analysis.json` as Markdown (`DIR/verdicts.md` of `deltalens study`).
+"""The study section of an `analysis.json` as Markdown (`DIR/verdicts.md` of `deltalens study`), and a
+sweep's results as Markdown (`DIR/sweep.md` of `deltalens sweep`).
 
 Generated, never hand-written: docs/reproduction.md quotes this file as the study wrote it, so the
 tables in the docs are the ones the verdict rule produced. Reads only JSON (no torch), like the HTML report.
 
     from deltalens.reports.markdown import study_markdown
     text = study_markdown(json.load(open("analysis.json")))
+    text = sweep_markdown(json.load(open("sweep.json")))
 """
 
 from __future__ import annotations
@@ -86,4 +88,31 @@ def study_markdown(analysis: dict) -> str:
     if study.get("rule"):
         lines += [f"Verdict rule: {study['rule']}", ""]
     lines += claims_table(study)
+    return "\n".join(lines) + "\n"
+
+
+def sweep_markdown(sweep: dict) -> str:
+    """A sweep's settings and one row per grid point, best first (`deltalens sweep`, DIR/sweep.md)."""
+    ev, base = as_dict(sweep.get("evaluation")), as_dict(sweep.get("base"))
+    fixed = ", ".join(f"{k}={v}" for k, v in as_dict(sweep.get("fixed")).items()) or "none"
+    lines = [(f"Sweep of `{sweep.get('method')}` on `{sweep.get('model')}`, task `{sweep.get('task')}`, preset "
+              f"{sweep.get('preset')}, fixed options: {fixed}. Scored on {ev.get('problems')} **validation** problems "
+              f"x {ev.get('samples')} samples at T = {ev.get('temperature')} (chat template {ev.get('chat_template')}), "
+              f"training seeds {', '.join(map(str, as_list(ev.get('seeds'))))}; base Pass@1 "
+              f"{fmt_g(base.get('pass_at_1'))}; {fmt_g(sweep.get('seconds'))} s for this pass."), ""]
+    rows = []
+    for p in as_list(sweep.get("points")):
+        p = as_dict(p)
+        vb, vbest = as_list(p.get("vs_base_ci")) + [None, None], as_list(p.get("vs_best_ci")) + [None, None]
+        best = p.get("name") == sweep.get("best")
+        rows.append([f"**{p.get('name')}**" if best else p.get("name"), fmt_g(p.get("pass_at_1")),
+                     f"{fmt_g(p.get('vs_base'))} {_ci(vb[0], vb[1])}",
+                     "best" if best else f"{fmt_g(p.get('vs_best'))} {_ci(vbest[0], vbest[1])}",
+                     "yes" if p.get("within_noise_of_best") else "no", fmt_g(p.get("mean_reward")),
+                     fmt_g(p.get("format_rate"))])
+    lines += _table(["point", "validation Pass@1", "minus base [95%]", "minus best [95%]", "within noise of best",
+                     "mean reward", "format rate"], rows)
+    lines += ["", ("Intervals: paired bootstrap over validation problems and the point's training seeds "
+                   "(deltalens.analysis.stats). Points within noise of the best cannot be told apart on these "
+                   "problems.")]
     return "\n".join(lines) + "\n"

@@ -27,15 +27,16 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
              temperature: float = 0.6, top_p: float = 1.0, limit: int | None = None,
              max_new_tokens: int | None = None, seed: int = 0, backend=None,
              progress: Callable[[int, int], None] | None = None, keep_completions: int = 0,
-             split: str = "test", chat_template: str = "auto") -> dict:
+             split: str = "test", chat_template: str = "auto", problems: Sequence | None = None) -> dict:
     """Sample `samples` completions for each problem of a split (test: what evaluations report;
-    validation: what tuning looks at) and score them (the `evals` schema entry).
+    validation: what tuning looks at) and score them (the `evals` schema entry). `problems` replaces the
+    split (e.g. a run's own training problems, `deltalens.training.trained`; name them with `split`).
 
     The backend (default: HF with `chat_template` auto/on/off) decides the prompt form: chat messages
     or raw text (`deltalens.generation.prompts`). progress(done, total) is called as sequences finish
     (total = problems x samples).
     """
-    problems = task.split(split, limit)
+    problems = task.split(split, limit) if problems is None else list(problems)[:limit]
     if not problems:
         raise DeltalensError(f"task {task.name} has no {split} problems")
     ks = parse_ks(ks)
@@ -88,10 +89,11 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
                     ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6, limit: int | None = None,
                     max_new_tokens: int | None = None, seed: int = 0, backend: str = "hf",
                     chat_template: str = "auto", progress_factory=None, device: str = "auto",
-                    split: str = "test") -> dict:
+                    split: str = "test", problems: Sequence | None = None) -> dict:
     """Evaluate each model on `task`; returns an analysis.json-shaped dict with `models` and `evals`.
 
     device: where the HF backend runs the model (cpu, cuda, cuda:N, auto); vLLM places its own.
+    problems: score these instead of the split (`split` then names them, e.g. "trained").
 
     progress_factory(label, total) -> callable(done, total), or None for no progress reporting.
     """
@@ -105,10 +107,12 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
     for spec, label in zip(specs, labels):
         be, model, tok = backend_for_spec(backend, spec, dtype=dtype, config=config, device=device,
                                           chat_template=chat_template)
-        prog = progress_factory(label, len(task.split(split, limit)) * samples) if progress_factory else None
+        n = len(task.split(split, limit) if problems is None else list(problems)[:limit])
+        prog = progress_factory(label, n * samples) if progress_factory else None
         try:
             res = evaluate(model, tok, task, samples=samples, ks=ks, temperature=temperature, limit=limit,
-                           max_new_tokens=max_new_tokens, seed=seed, backend=be, progress=prog, split=split)
+                           max_new_tokens=max_new_tokens, seed=seed, backend=be, progress=prog, split=split,
+                           problems=problems)
         finally:
             if hasattr(be, "close"):
                 be.close()  # frees the GPU before the next model

@@ -41,6 +41,8 @@ class StudyConfig(Config):
     entropy_prompts: int = option(100, "test prompts of the token-entropy measurement (claim 6)")
     held_out: tuple[str, ...] = option((), "held-out tasks evaluated for forgetting, comma-separated (e.g. arith-3)")
     chat_template: str = option("auto", "prompts through the tokenizer's chat template: auto, on, off")
+    backend: str = option("hf", "backend of the Pass@K evaluations: hf, or vllm (docs/vllm.md); training, "
+                          "sparsity, entropy and diversity always run on HF")
     resamples: int = option(2000, "bootstrap resamples of every interval")
 
     def __post_init__(self):
@@ -60,6 +62,7 @@ class StudyConfig(Config):
             (self.sparsify_samples >= 1 and self.diversity_members >= 2 and self.diversity_prompts >= 1
              and self.entropy_prompts >= 1, "sample, member and prompt counts must be positive (members >= 2)"),
             (self.resamples >= 100, f"--resamples must be >= 100 (got {self.resamples})"),
+            (self.backend in ("hf", "vllm"), f"--backend must be hf or vllm (got {self.backend!r})"),
         ])
         if self.budget is not None:
             self.budget = parse_budget(self.budget)

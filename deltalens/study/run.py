@@ -75,11 +75,11 @@ def run_plan(cfg: StudyConfig, out: Path) -> list[dict]:
     for method in cfg.methods:
         for seed in cfg.seeds:
             d = out / "runs" / f"{method}-s{seed}"
-            es = ESConfig.resolve(preset=preset, given={**common, "seed": seed, "budget": budget})
-            gr = GRPOConfig.resolve(preset=preset, given={**common, "seed": seed, "budget": budget})
             if method == "es":
+                es = ESConfig.resolve(preset=preset, given={**common, "seed": seed, "budget": budget})
                 total, configs = es.iterations, {"es": es}
             elif method == "grpo":
+                gr = GRPOConfig.resolve(preset=preset, given={**common, "seed": seed, "budget": budget})
                 total, configs = gr.steps, {"grpo": gr}
             else:
                 stages = method.split("-")
@@ -128,6 +128,7 @@ class Measures:
         self.hashes: dict[str, str] = {}
         self._loaded: dict = {}
         self._sparse: dict = {}  # the base model the sparsity evaluations overwrite (evaluate_state_dict's cache)
+        self._engine: tuple | None = None  # (spec, vLLM backend): one engine serves all seeds of one model
 
     def hash(self, spec: str) -> str:
         if spec not in self.hashes:
@@ -136,26 +137,50 @@ class Measures:
 
     def model(self, spec: str):
         if spec not in self._loaded:
+            self.close_engine()
             self._loaded.clear()  # one model in memory at a time
             self._sparse.clear()
             self._loaded[spec] = load_model(spec)
         return self._loaded[spec]
+
+    def close_engine(self) -> None:
+        if self._engine is not None:
+            self._engine[1].close()
+            self._engine = None
+
+    def engine(self, spec: str):
+        """The vLLM backend of `spec` (started once; the previous model's engine is closed first)."""
+        from deltalens.generation import backend_for_spec
+
+        if self._engine is None or self._engine[0] != spec:
+            self.close_engine()
+            self._loaded.clear()  # the HF copy is not needed while the engine samples
+            self._sparse.clear()
+            be, _, _ = backend_for_spec("vllm", spec, chat_template=self.cfg.chat_template)
+            self._engine = (spec, be)
+        return self._engine[1]
 
     def evaluation(self, spec: str, label: str, seed: int, samples: int | None = None, task=None) -> dict:
         cfg = self.cfg
         task = task or self.task
         samples = samples or cfg.samples
         ks = [k for k in cfg.ks if k <= samples] or [1]
+        # the backend is part of the key only when it is not HF, so HF results cached before it existed count
+        extra = {"backend": cfg.backend} if cfg.backend != "hf" else {}
         key = self.cache.key("study-eval", weights=self.hash(spec), task=task.spec, samples=samples, ks=ks,
-                             temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template)
+                             temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template, **extra)
 
         def compute():
-            model, tok = self.model(spec)
             n = len(task.test(cfg.limit)) * samples
             prog = self.progress_factory(f"eval {label} on {task.spec} (seed {seed})", n) \
                 if self.progress_factory else None
+            if cfg.backend == "vllm":
+                be = self.engine(spec)
+                model, tok = None, be.tok
+            else:
+                (model, tok), be = self.model(spec), None
             return evaluate(model, tok, task, samples=samples, ks=ks, temperature=cfg.temperature,
-                            limit=cfg.limit, seed=seed, progress=prog, chat_template=cfg.chat_template)
+                            limit=cfg.limit, seed=seed, progress=prog, chat_template=cfg.chat_template, backend=be)
 
         return self.cache.get_or_compute(key, compute, self.log)
 
@@ -242,155 +267,164 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
     check_outputs([Output(out, "--out", directory=True)], models=[cfg.model])
     out.mkdir(parents=True, exist_ok=True)
     _check_study_file(cfg, out)
+    if cfg.backend == "vllm":
+        from deltalens.generation.vllm import import_vllm
+
+        import_vllm()  # a missing vLLM is said now, not after hours of training
     t0 = time.time()
     plan = run_plan(cfg, out)
     train_runs(cfg, plan, log, progress_factory)
     m = Measures(cfg, out, log, progress_factory)
-    R = cfg.resamples
-    by_method = {meth: [r for r in plan if r["method"] == meth] for meth in cfg.methods}
+    try:
+        R = cfg.resamples
+        by_method = {meth: [r for r in plan if r["method"] == meth] for meth in cfg.methods}
 
-    # -- evaluations and claim 1 / 5
-    log(f"evaluating the base ({cfg.base_seeds} sampling seeds) and {len(plan)} runs")
-    base_evals = [m.evaluation(cfg.model, "base", s) for s in range(cfg.base_seeds)]
-    run_evals = {r["label"]: m.evaluation(str(r["dir"]), r["label"], 0) for r in plan}
-    checks: list[dict] = []
+        # -- evaluations and claim 1 / 5
+        log(f"evaluating the base ({cfg.base_seeds} sampling seeds) and {len(plan)} runs")
+        base_evals = [m.evaluation(cfg.model, "base", s) for s in range(cfg.base_seeds)]
+        run_evals = {r["label"]: m.evaluation(str(r["dir"]), r["label"], 0) for r in plan}
+        m.close_engine()  # the remaining measurements run on HF
+        checks: list[dict] = []
 
-    def matrix(evs, metric, k):
-        return [per_problem(e, metric, k) for e in evs]
+        def matrix(evs, metric, k):
+            return [per_problem(e, metric, k) for e in evs]
 
-    effects = {}
-    for meth, runs in by_method.items():
-        evs = [run_evals[r["label"]] for r in runs]
-        for metric in ("pass", "maj"):
-            for k in cfg.ks:
-                effects[(meth, metric, k)] = stats.paired_effect(matrix(evs, metric, k),
-                                                                 matrix(base_evals, metric, k), resamples=R)
-    k_hi = [k for k in cfg.ks if k > 1]
-    for meth, want in (("grpo", {1: +1, **{k: -1 for k in k_hi}}), ("es", {k: +1 for k in cfg.ks})):
-        if meth in by_method:
-            for k, d in want.items():
-                e = effects[(meth, "pass", k)]
-                checks.append(_check(1, f"{meth} vs base, Pass@{k}", meth, f"pass@{k}", e["estimate"], e["ci"], d))
-    if "es-grpo" in by_method:
-        kmax = max(cfg.ks)
-        for other in ("es", "grpo"):
-            if other in by_method:
-                a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", kmax)
-                b = matrix([run_evals[r["label"]] for r in by_method[other]], "pass", kmax)
-                e = stats.paired_effect(a, b, resamples=R)
-                checks.append(_check(5, f"es-grpo vs {other}, Pass@{kmax}", "es-grpo", f"pass@{kmax}", e["estimate"],
-                                     e["ci"], +1))
-        if "grpo" in by_method:
-            a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", 1)
-            g = matrix([run_evals[r["label"]] for r in by_method["grpo"]], "pass", 1)
-            est, ci = stats.gain_ratio(a, g, matrix(base_evals, "pass", 1), resamples=R)
-            checks.append(_check(5, "es-grpo keeps GRPO's Pass@1 gain (share)", "es-grpo", "pass@1 gain share",
-                                 est, ci, +1, null=0.5))
+        effects = {}
+        for meth, runs in by_method.items():
+            evs = [run_evals[r["label"]] for r in runs]
+            for metric in ("pass", "maj"):
+                for k in cfg.ks:
+                    effects[(meth, metric, k)] = stats.paired_effect(matrix(evs, metric, k),
+                                                                     matrix(base_evals, metric, k), resamples=R)
+        k_hi = [k for k in cfg.ks if k > 1]
+        for meth, want in (("grpo", {1: +1, **{k: -1 for k in k_hi}}), ("es", {k: +1 for k in cfg.ks})):
+            if meth in by_method:
+                for k, d in want.items():
+                    e = effects[(meth, "pass", k)]
+                    checks.append(_check(1, f"{meth} vs base, Pass@{k}", meth, f"pass@{k}", e["estimate"], e["ci"], d))
+        if "es-grpo" in by_method:
+            kmax = max(cfg.ks)
+            for other in ("es", "grpo"):
+                if other in by_method:
+                    a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", kmax)
+                    b = matrix([run_evals[r["label"]] for r in by_method[other]], "pass", kmax)
+                    e = stats.paired_effect(a, b, resamples=R)
+                    checks.append(_check(5, f"es-grpo vs {other}, Pass@{kmax}", "es-grpo", f"pass@{kmax}", e["estimate"],
+                                         e["ci"], +1))
+            if "grpo" in by_method:
+                a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", 1)
+                g = matrix([run_evals[r["label"]] for r in by_method["grpo"]], "pass", 1)
+                est, ci = stats.gain_ratio(a, g, matrix(base_evals, "pass", 1), resamples=R)
+                checks.append(_check(5, "es-grpo keeps GRPO's Pass@1 gain (share)", "es-grpo", "pass@1 gain share",
+                                     est, ci, +1, null=0.5))
 
-    # -- distances (claim 2) and where the changes sit (claim 4)
-    log("diffing every run against the base")
-    labels = [r["label"] for r in plan]
-    dkey = m.cache.key("study-diff", base=m.hash(cfg.model), runs=[m.hash(str(r["dir"])) for r in plan], labels=labels)
-    diff_doc = m.cache.get_or_compute(dkey, lambda: diff_checkpoints(
-        cfg.model, [str(RunDir(r["dir"]).weights()) for r in plan], labels, progress=False), log)
-    diffs = diff_doc["diff"]
-    if "es" in by_method and "grpo" in by_method:
-        pairs = [(f"es-s{s}", f"grpo-s{s}") for s in cfg.seeds]
-        ratios = [diffs[a]["whole"]["rel_l2"] / diffs[b]["whole"]["rel_l2"] for a, b in pairs
-                  if diffs[b]["whole"]["rel_l2"]]
-        if ratios:
-            ci = stats.seed_bootstrap(ratios, resamples=R)
-            est = sum(ratios) / len(ratios)
-            checks.append(_check(2, "rel. L2 from init, ES / GRPO (per seed): ES farther", "es/grpo", "rel_l2 ratio",
-                                 est, ci, +1, null=1.0, per_seed=ratios))
-            checks.append(_check(2, "the same ratio: at least the paper's 40x", "es/grpo", "rel_l2 ratio", est, ci,
-                                 +1, null=40.0, paper_range_in_ci=bool(ci[0] <= 44 and ci[1] >= 40)))
-        for rank in ("abs", "rel"):
-            def share(label, groups, rank=rank):
-                comp = diffs[label]["topk"][rank]["composition"]
-                total = sum(comp.values())
-                return sum(comp.get(g, 0) for g in groups) / total if total else 0.0
+        # -- distances (claim 2) and where the changes sit (claim 4)
+        log("diffing every run against the base")
+        labels = [r["label"] for r in plan]
+        dkey = m.cache.key("study-diff", base=m.hash(cfg.model), runs=[m.hash(str(r["dir"])) for r in plan], labels=labels)
+        diff_doc = m.cache.get_or_compute(dkey, lambda: diff_checkpoints(
+            cfg.model, [str(RunDir(r["dir"]).weights()) for r in plan], labels, progress=False), log)
+        diffs = diff_doc["diff"]
+        if "es" in by_method and "grpo" in by_method:
+            pairs = [(f"es-s{s}", f"grpo-s{s}") for s in cfg.seeds]
+            ratios = [diffs[a]["whole"]["rel_l2"] / diffs[b]["whole"]["rel_l2"] for a, b in pairs
+                      if diffs[b]["whole"]["rel_l2"]]
+            if ratios:
+                ci = stats.seed_bootstrap(ratios, resamples=R)
+                est = sum(ratios) / len(ratios)
+                checks.append(_check(2, "rel. L2 from init, ES / GRPO (per seed): ES farther", "es/grpo", "rel_l2 ratio",
+                                     est, ci, +1, null=1.0, per_seed=ratios))
+                checks.append(_check(2, "the same ratio: at least the paper's 40x", "es/grpo", "rel_l2 ratio", est, ci,
+                                     +1, null=40.0, paper_range_in_ci=bool(ci[0] <= 44 and ci[1] >= 40)))
+            for rank in ("abs", "rel"):
+                def share(label, groups, rank=rank):
+                    comp = diffs[label]["topk"][rank]["composition"]
+                    total = sum(comp.values())
+                    return sum(comp.get(g, 0) for g in groups) / total if total else 0.0
 
-            for groups, name, who in ((NORM_ATTN, "norm + attention", "es"), (EMBED_HEAD, "embed + lm_head", "grpo")):
-                other = "grpo" if who == "es" else "es"
-                vals = [share(f"{who}-s{s}", groups) - share(f"{other}-s{s}", groups) for s in cfg.seeds]
-                ci = stats.seed_bootstrap(vals, resamples=R)
-                checks.append(_check(4, f"top-100 by {'|Δ|' if rank == 'abs' else '|Δ|/|θ0|'}: share in {name}, "
-                                        f"{who} minus {other}", who, f"top-100 {rank} share", sum(vals) / len(vals),
-                                     ci, +1, per_seed=vals))
+                for groups, name, who in ((NORM_ATTN, "norm + attention", "es"), (EMBED_HEAD, "embed + lm_head", "grpo")):
+                    other = "grpo" if who == "es" else "es"
+                    vals = [share(f"{who}-s{s}", groups) - share(f"{other}-s{s}", groups) for s in cfg.seeds]
+                    ci = stats.seed_bootstrap(vals, resamples=R)
+                    checks.append(_check(4, f"top-100 by {'|Δ|' if rank == 'abs' else '|Δ|/|θ0|'}: share in {name}, "
+                                            f"{who} minus {other}", who, f"top-100 {rank} share", sum(vals) / len(vals),
+                                         ci, +1, per_seed=vals))
 
-    # -- sparsity with controls (claim 3), first seed of ES and GRPO
-    sparsify_section = {}
-    for meth in ("es", "grpo"):
-        if meth not in by_method:
-            continue
-        r0 = by_method[meth][0]
-        res = _sparsity(cfg, m, r0, log, R)
-        sparsify_section[r0["label"]] = res["section"]
-        checks.extend(res["checks"])
+        # -- sparsity with controls (claim 3), first seed of ES and GRPO
+        sparsify_section = {}
+        for meth in ("es", "grpo"):
+            if meth not in by_method:
+                continue
+            r0 = by_method[meth][0]
+            res = _sparsity(cfg, m, r0, log, R)
+            sparsify_section[r0["label"]] = res["section"]
+            checks.extend(res["checks"])
 
-    # -- token entropy (claim 6)
-    log("token entropy of every model along its own samples")
-    base_ent = m.entropy(cfg.model)
-    ent = {}
-    for meth in ("es", "grpo"):
-        if meth in by_method:
-            ent[meth] = [m.entropy(str(r["dir"])) for r in by_method[meth]]
-            e = stats.paired_effect(ent[meth], [base_ent], resamples=R)
-            if meth == "grpo":
-                checks.append(_check(6, "grpo vs base, token entropy", "grpo", "entropy", e["estimate"], e["ci"], -1))
-    if "es" in ent and "grpo" in ent:
-        e = stats.paired_effect(ent["es"], ent["grpo"], resamples=R)
-        checks.append(_check(6, "token entropy, es minus grpo", "es", "entropy", e["estimate"], e["ci"], +1))
+        # -- token entropy (claim 6)
+        log("token entropy of every model along its own samples")
+        base_ent = m.entropy(cfg.model)
+        ent = {}
+        for meth in ("es", "grpo"):
+            if meth in by_method:
+                ent[meth] = [m.entropy(str(r["dir"])) for r in by_method[meth]]
+                e = stats.paired_effect(ent[meth], [base_ent], resamples=R)
+                if meth == "grpo":
+                    checks.append(_check(6, "grpo vs base, token entropy", "grpo", "entropy", e["estimate"], e["ci"], -1))
+        if "es" in ent and "grpo" in ent:
+            e = stats.paired_effect(ent["es"], ent["grpo"], resamples=R)
+            checks.append(_check(6, "token entropy, es minus grpo", "es", "entropy", e["estimate"], e["ci"], +1))
 
-    # -- population diversity (claim 7), first ES run around its final weights
-    diversity_section = {}
-    if "es" in by_method:
-        r0 = by_method["es"][0]
-        div = _diversity(cfg, m, r0, log)
-        diversity_section[r0["label"]] = div
-        js, se = div["js_mi_mean"], div["js_mi_se"] or 0.0
-        checks.append(_check(7, "population JS (posterior estimator) > 0", "es", "js", js,
-                             (js - 1.96 * se, js + 1.96 * se), +1))
-        gaps = [p["coverage_population"] - p["coverage_centre"] for p in div["per_prompt"]
-                if p["coverage_centre"] is not None]
-        if len(gaps) >= 2:
-            ci = stats.seed_bootstrap(gaps, resamples=R)
-            checks.append(_check(7, "Pass@N: population (one sample each) minus centre (N samples)", "es",
-                                 "coverage gap", sum(gaps) / len(gaps), ci, +1))
+        # -- population diversity (claim 7), first ES run around its final weights
+        diversity_section = {}
+        if "es" in by_method:
+            r0 = by_method["es"][0]
+            div = _diversity(cfg, m, r0, log)
+            diversity_section[r0["label"]] = div
+            js, se = div["js_mi_mean"], div["js_mi_se"] or 0.0
+            checks.append(_check(7, "population JS (posterior estimator) > 0", "es", "js", js,
+                                 (js - 1.96 * se, js + 1.96 * se), +1))
+            gaps = [p["coverage_population"] - p["coverage_centre"] for p in div["per_prompt"]
+                    if p["coverage_centre"] is not None]
+            if len(gaps) >= 2:
+                ci = stats.seed_bootstrap(gaps, resamples=R)
+                checks.append(_check(7, "Pass@N: population (one sample each) minus centre (N samples)", "es",
+                                     "coverage gap", sum(gaps) / len(gaps), ci, +1))
 
-    held_out = {}
-    for name in cfg.held_out:
-        ht = get_task(name)
-        for label, spec in [("base", cfg.model), *((r["label"], str(r["dir"])) for r in plan)]:
-            held_out.setdefault(label, {})[name] = m.evaluation(spec, label, 0, task=ht)["pass_at_k"]
+        held_out = {}
+        for name in cfg.held_out:
+            ht = get_task(name)
+            for label, spec in [("base", cfg.model), *((r["label"], str(r["dir"])) for r in plan)]:
+                held_out.setdefault(label, {})[name] = m.evaluation(spec, label, 0, task=ht)["pass_at_k"]
+        m.close_engine()
 
-    claims = [{"id": cid, "title": title, "checks": [c for c in checks if c["claim"] == cid],
-               "verdict": _claim_verdict([c for c in checks if c["claim"] == cid])}
-              for cid, title in CLAIMS.items() if any(c["claim"] == cid for c in checks)]
-    summary = {f"{meth}:{metric}@{k}": {kk: effects[(meth, metric, k)][kk] for kk in ("estimate", "method", "base", "ci")}
-               for (meth, metric, k) in effects}
-    study = {"config": {**cfg.to_dict(), "budget": study_budget(cfg), "preset": _preset(cfg)},
-             "rule": stats.rule_text(),
-             "claims": claims, "effects": summary,
-             "runs": [{"label": r["label"], "method": r["method"], "seed": r["seed"], "dir": str(r["dir"]),
-                       "total": r["total"]} for r in plan],
-             "seconds": round(time.time() - t0, 1)}
-    evals = {"base": base_evals[0], **{lab: ev for lab, ev in run_evals.items()}}
-    training = {r["label"]: training_section(r["label"], r["dir"]) for r in plan}
-    doc = analysis_document(cfg.model, [model_entry(r["label"], str(r["dir"])) for r in plan],
-                            diff=diffs, ratios=diff_doc["ratios"], evals=evals,
-                            sparsify=sparsify_section or None, diversity=diversity_section or None,
-                            training={k: v for k, v in training.items() if v}, held_out=held_out or None,
-                            study=study)
-    doc = {k: v for k, v in doc.items() if v is not None}
-    write_json_atomic(doc, out / "analysis.json")
-    with atomic_path(out / "verdicts.csv") as tmp:
-        stats.table(checks).to_csv(tmp, index=False)
-    with atomic_path(out / "verdicts.md") as tmp:
-        tmp.write_text(study_markdown(doc))
-    render_report(doc, out / "report.html")
-    return doc
+        claims = [{"id": cid, "title": title, "checks": [c for c in checks if c["claim"] == cid],
+                   "verdict": _claim_verdict([c for c in checks if c["claim"] == cid])}
+                  for cid, title in CLAIMS.items() if any(c["claim"] == cid for c in checks)]
+        summary = {f"{meth}:{metric}@{k}": {kk: effects[(meth, metric, k)][kk] for kk in ("estimate", "method", "base", "ci")}
+                   for (meth, metric, k) in effects}
+        study = {"config": {**cfg.to_dict(), "budget": study_budget(cfg), "preset": _preset(cfg)},
+                 "rule": stats.rule_text(),
+                 "claims": claims, "effects": summary,
+                 "runs": [{"label": r["label"], "method": r["method"], "seed": r["seed"], "dir": str(r["dir"]),
+                           "total": r["total"]} for r in plan],
+                 "seconds": round(time.time() - t0, 1)}
+        evals = {"base": base_evals[0], **{lab: ev for lab, ev in run_evals.items()}}
+        training = {r["label"]: training_section(r["label"], r["dir"]) for r in plan}
+        doc = analysis_document(cfg.model, [model_entry(r["label"], str(r["dir"])) for r in plan],
+                                diff=diffs, ratios=diff_doc["ratios"], evals=evals,
+                                sparsify=sparsify_section or None, diversity=diversity_section or None,
+                                training={k: v for k, v in training.items() if v}, held_out=held_out or None,
+                                study=study)
+        doc = {k: v for k, v in doc.items() if v is not None}
+        write_json_atomic(doc, out / "analysis.json")
+        with atomic_path(out / "verdicts.csv") as tmp:
+            stats.table(checks).to_csv(tmp, index=False)
+        with atomic_path(out / "verdicts.md") as tmp:
+            tmp.write_text(study_markdown(doc))
+        render_report(doc, out / "report.html")
+        return doc
+    finally:
+        m.close_engine()  # a vLLM engine is a subprocess: never left running
 
 
 def _sparsity(cfg: StudyConfig, m: Measures, run: dict, log: Log, R: int) -> dict:

@@ -104,6 +104,12 @@ def step_problems(task, seed: int, step: int, n: int):
     return task.train(n, random.Random(f"deltalens-grpo-prompts/{seed}/{step}"))
 
 
+def run_problems(task, config: GRPOConfig, first_step: int, last_step: int) -> list:
+    """The training problems of steps first_step..last_step, in order (one draw per μ = num_iterations steps)."""
+    return [p for step in range(first_step, last_step + 1, config.num_iterations)
+            for p in step_problems(task, config.seed, step, config.prompts_per_step)]
+
+
 def build_dataset(task, config: GRPOConfig, first_step: int, last_step: int, chat: bool = False):
     """A `datasets.Dataset` with the prompts of steps first_step..last_step, in order.
 
@@ -114,10 +120,7 @@ def build_dataset(task, config: GRPOConfig, first_step: int, last_step: int, cha
     """
     from datasets import Dataset
 
-    mu = config.num_iterations
-    problems = []
-    for step in range(first_step, last_step + 1, mu):
-        problems.extend(step_problems(task, config.seed, step, config.prompts_per_step))
+    problems = run_problems(task, config, first_step, last_step)
     prompts = problem_prompts(problems, chat)
     return Dataset.from_dict({"prompt": prompts, **problem_columns(problems)})
 

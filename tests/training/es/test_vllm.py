@@ -349,6 +349,38 @@ def test_probe_through_vllm_backend(fake_vllm):
         probe("tiny", get_task("arith"), backend="onnx", **kw)
 
 
+def test_study_evaluates_through_vllm_one_engine_per_model(fake_vllm, tmp_path, monkeypatch):
+    """`deltalens study --backend vllm`: the Pass@K evaluations go through one engine per model (the base's
+    sampling seeds share it); everything else stays on HF and is reused from the HF study's cache, and the
+    evaluations equal the HF study's (the fake engine runs the same weights, near-greedy)."""
+    _need_tiny()
+    from deltalens.study import run as study_run
+    from deltalens.study.config import StudyConfig
+    from deltalens.training.es.config import ESConfig
+
+    # a preset small enough for a test: 2 iterations of 4 members x 8 prompts (128 units), noise large enough
+    # that members differ (else z = 0, no update, and the run's weights are the base's)
+    monkeypatch.setitem(ESConfig.PRESETS, "paper", {"population": 4, "prompts_per_iteration": 8, "sigma": 0.05,
+                                                     "alpha": 0.005, "eval_every": 0})
+    small = {"methods": ("es",), "seeds": (0,), "budget": 128, "limit": 4, "samples": 2, "ks": (1, 2),
+             "base_seeds": 2, "temperature": 1e-4, "sparsity": (0.9,), "sparsify_samples": 1,
+             "diversity_members": 2, "diversity_prompts": 2, "entropy_prompts": 2, "resamples": 100}
+    out = tmp_path / "study"
+    hf = study_run.run_study(StudyConfig(model=str(_need_tiny()), **small), out, log=lambda s: None)
+    assert not FakeLLM.instances
+    logs = []
+    v = study_run.run_study(StudyConfig(model=str(_need_tiny()), backend="vllm", **small), out, log=logs.append)
+    assert study_run.weights_hash(str(out / "runs" / "es-s0")) != study_run.weights_hash(str(_need_tiny()))
+    assert len(FakeLLM.instances) == 2  # the base (2 seeds on one engine), then es-s0
+    assert [len(x.calls) for x in FakeLLM.instances] == [2, 1]
+    assert not [x for x in logs if "training" in x] and any(x.startswith("cached: study-entropy") for x in logs)
+    for label in ("base", "es-s0"):
+        assert [p["correct"] for p in v["evals"][label]["per_problem"]] == \
+            [p["correct"] for p in hf["evals"][label]["per_problem"]]
+    with pytest.raises(DeltalensError, match="--backend must be hf or vllm"):
+        StudyConfig(model="tiny", backend="onnx")
+
+
 # ---------------------------------------------------------------------------------------------
 # ES through the worker extension
 

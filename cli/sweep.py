@@ -1,0 +1,101 @@
+"""`deltalens sweep es|grpo`: train a grid of settings and score them on validation problems only.
+
+    deltalens sweep es --model tiny --grid sigma=3e-3,6e-3 --grid alpha=1.5e-3,3e-3 --iterations 20 --out DIR
+    deltalens sweep grpo --model tiny --grid learning_rate=2e-5,5e-5,1e-4 --steps 200 --seeds 0,1 --out DIR
+
+The fixed training options are generated from the config dataclasses, as in `deltalens train`."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from deltalens.training.es.config import ESConfig
+from deltalens.training.grpo.config import GRPOConfig
+
+from . import common as c
+from . import options as o
+
+app = typer.Typer(name="sweep", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Choose hyperparameters on validation problems: train a grid, score every point, "
+                       "with intervals against the base and the best point.")
+
+PANEL = "Sweep"
+
+
+def _params() -> list[inspect.Parameter]:
+    def p(name, typ, *flags, help, default=None):
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                 annotation=Annotated[typ, typer.Option(*flags, help=help, rich_help_panel=PANEL)])
+
+    return [
+        p("out", Path, "--out", "-o", help="sweep directory (runs, cache, sweep.json, sweep.md)",
+          default=Path("deltalens-sweep")),
+        p("grid", list[str] | None, "--grid", help="an option and its values, name=v1,v2 (repeat for a product "
+                                                   "grid), e.g. sigma=3e-3,6e-3"),
+        p("seeds", str, "--seeds", help="training seeds of every point, comma-separated", default="0"),
+        p("preset", str | None, "--preset", help="hyperparameter preset under every point: auto (the model's own), "
+                                                 "paper, tiny, ..."),
+        p("val_limit", int, "--val-limit", help="validation problems scored (first N)", default=200),
+        p("val_samples", int, "--val-samples", help="samples per validation problem", default=8),
+        p("val_temperature", float, "--val-temperature", help="sampling temperature of the scoring (0 = greedy, "
+                                                             "with --val-samples 1)", default=0.6),
+    ]
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    from deltalens.errors import DeltalensError
+
+    try:
+        return tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise DeltalensError(f"--seeds must be comma-separated integers (got {text!r})") from None
+
+
+def show(doc: dict, out: Path) -> None:
+    ev = doc["evaluation"]
+    t = Table(title=f"sweep {doc['method']} on {doc['model']} ({doc['task']}): {ev['problems']} validation problems "
+                    f"x {ev['samples']} at T={ev['temperature']}; base Pass@1 {doc['base']['pass_at_1']:.3f}")
+    for col in ("point", "Pass@1", "minus base [95%]", "minus best [95%]", "reward"):
+        t.add_column(col, justify="left" if col == "point" else "right")
+    for p in doc["points"]:
+        best = p["name"] == doc["best"]
+        lo, hi = p["vs_best_ci"]
+        t.add_row(f"[bold]{p['name']}[/]" if best else p["name"], f"{p['pass_at_1']:.3f}",
+                  f"{p['vs_base']:+.3f} [{p['vs_base_ci'][0]:+.3f}, {p['vs_base_ci'][1]:+.3f}]",
+                  "best" if best else f"{p['vs_best']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+                  + ("" if p["within_noise_of_best"] else " *"), f"{p['mean_reward']:.3f}")
+    c.console.print(t)
+    c.console.print("* the interval against the best excludes 0: this point is worse than the best on validation",
+                    highlight=False)
+    c.console.print(f"sweep: {out / 'sweep.json'}, {out / 'sweep.md'}")
+
+
+def _make(method: str, cls):
+    def body(kwargs: dict) -> None:
+        from deltalens.study.sweep import Evaluation, parse_grid, run_sweep
+
+        grid = parse_grid(method, kwargs["grid"] or [])
+        ev = Evaluation(limit=kwargs["val_limit"], samples=kwargs["val_samples"],
+                        temperature=kwargs["val_temperature"], seeds=_seeds(kwargs["seeds"]))
+        with c.progress_bar() as bar:
+            doc = run_sweep(method, grid, o.given(kwargs, cls), kwargs["out"], preset=kwargs["preset"], ev=ev,
+                            log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"),
+                            progress_factory=c.bar_factory(bar))
+        show(doc, Path(kwargs["out"]))
+
+    return body
+
+
+app.command("es")(c.guard(o.command(
+    "es", "Sweep ES settings: train every grid point, score on validation problems.",
+    _params() + o.config_params(ESConfig, exclude=("seed",), panel="ES options (fixed for every point)"),
+    _make("es", ESConfig))))
+app.command("grpo")(c.guard(o.command(
+    "grpo", "Sweep GRPO settings: train every grid point, score on validation problems.",
+    _params() + o.config_params(GRPOConfig, exclude=("seed",), panel="GRPO options (fixed for every point)"),
+    _make("grpo", GRPOConfig))))

@@ -1,0 +1,241 @@
+"""`deltalens sweep`: choose hyperparameters on validation problems (the test split is never read).
+
+    deltalens sweep es --model tiny --grid sigma=3e-3,6e-3,1.2e-2 --grid alpha=1.5e-3,3e-3 \
+        --iterations 20 --out sweeps/es-tiny
+
+Every point of the grid (the product of the --grid values) is a training config: the preset (the model's
+own with `auto`), then the fixed options given, then the point's values. Each point is trained once per
+seed into DIR/runs/<point>-s<seed> (resumable like a study: finished runs are skipped, killed ones
+resume), then the base and every final model are evaluated on the first `limit` **validation**
+problems (`samples` completions at `temperature`, the model's chat template setting), results cached
+by the content hash of the weights in DIR/cache.
+
+Statistics (`deltalens.analysis.stats`): per point, the paired Pass@1 difference from the base with a
+95% bootstrap interval over problems and the point's seeds, and the paired difference from the best
+point (highest validation Pass@1). A point whose interval against the best contains 0 is "within
+noise of the best": the validation data cannot tell them apart, and the sweep says so instead of
+pretending the best is a clear winner. Output: DIR/sweep.json and DIR/sweep.md (the table).
+
+Settings that decide what a point means (method, model, task, preset, fixed options, evaluation
+settings) are pinned in DIR/sweep-settings.json: a rerun may add grid values or seeds, not change them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from deltalens.analysis import stats
+from deltalens.analysis.report import Cache, weights_hash
+from deltalens.config import Config, coerce, flag_name
+from deltalens.errors import DeltalensError
+from deltalens.evaluation import evaluate
+from deltalens.evaluation.options import check_eval_options
+from deltalens.evaluation.passk import pass_at_k
+from deltalens.io.atomic import atomic_path, write_json_atomic
+from deltalens.io.models import load_model
+from deltalens.io.outputs import Output, check_outputs
+from deltalens.io.runs import RunDir
+from deltalens.presets import auto_preset, default_task
+from deltalens.tasks import get_task
+from deltalens.training.es.config import ESConfig
+from deltalens.training.es.train import train_es
+from deltalens.training.grpo.config import GRPOConfig
+from deltalens.training.grpo.train import train_grpo
+
+CONFIGS: dict[str, type[Config]] = {"es": ESConfig, "grpo": GRPOConfig}
+NOT_SWEPT = ("model", "task", "data", "question_field", "answer_field", "seed", "init_from")
+Log = Callable[[str], None]
+
+
+@dataclass
+class Evaluation:
+    """How every model of a sweep is scored: validation problems only."""
+
+    limit: int | None = 200  # first N validation problems (None: all)
+    samples: int = 8  # completions per problem
+    temperature: float = 0.6  # sampling temperature (0 = greedy, with samples 1)
+    seeds: tuple[int, ...] = (0,)  # training seeds of every point
+
+    def check(self) -> None:
+        check_eval_options(samples=self.samples, ks=str(self.samples), temperature=self.temperature,
+                           limit=self.limit, max_new_tokens=None)
+        if self.temperature == 0 and self.samples != 1:
+            raise DeltalensError("--val-temperature 0 is greedy: every sample is the same; use --val-samples 1")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise DeltalensError("--seeds must be distinct integers")
+
+
+def parse_grid(method: str, specs: list[str]) -> dict[str, list]:
+    """['sigma=3e-3,6e-3', 'alpha=1e-3'] -> {'sigma': [0.003, 0.006], 'alpha': [0.001]}, typed by the config."""
+    cls = CONFIGS[method]
+    types = cls.types()
+    grid: dict[str, list] = {}
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep or not key or not values.strip():
+            raise DeltalensError(f"--grid must look like name=v1,v2 (got {spec!r})")
+        if key not in types or not cls.field(key).metadata.get("cli", True):
+            raise DeltalensError(f"--grid {key}: {method} has no option {flag_name(key)} "
+                                 f"(see `deltalens train {method} --help`)")
+        if key in NOT_SWEPT:
+            raise DeltalensError(f"--grid {key}: {flag_name(key)} is fixed for a whole sweep"
+                                 + (" (use --seeds)" if key == "seed" else ""))
+        if key in grid:
+            raise DeltalensError(f"--grid names {key} twice; give all its values in one --grid")
+        vals = [coerce(v.strip(), types[key], key, "--grid") for v in values.split(",") if v.strip()]
+        if len(set(map(repr, vals))) != len(vals):
+            raise DeltalensError(f"--grid {key} lists a value twice")
+        grid[key] = vals
+    if not grid:
+        raise DeltalensError("give at least one --grid name=v1,v2")
+    return grid
+
+
+def point_name(point: dict) -> str:
+    """A directory name for a grid point: 'sigma=0.003_alpha=0.0015'."""
+    return "_".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in point.items())
+
+
+def plan(method: str, grid: dict[str, list], fixed: dict, *, preset: str | None, ev: Evaluation,
+         out: Path) -> list[dict]:
+    """Every (point, seed) run with its resolved config; any bad value is refused here, before training."""
+    cls = CONFIGS[method]
+    clash = sorted(set(grid) & set(fixed))
+    if clash:
+        raise DeltalensError(f"{', '.join(flag_name(k) for k in clash)} given both as a fixed option and in --grid")
+    if "seed" in fixed:
+        raise DeltalensError("--seed is per run in a sweep; use --seeds 0,1,2")
+    runs = []
+    for values in itertools.product(*grid.values()):
+        point = dict(zip(grid, values))
+        for seed in ev.seeds:
+            cfg = cls.resolve(preset=preset, given={**fixed, **point, "seed": seed}, source="--grid")
+            total = cfg.iterations if method == "es" else cfg.steps
+            runs.append({"point": point, "name": point_name(point), "seed": seed, "config": cfg, "total": total,
+                         "dir": out / "runs" / f"{point_name(point)}-s{seed}"})
+    return runs
+
+
+def _pin(out: Path, settings: dict) -> None:
+    import json
+
+    f = out / "sweep-settings.json"
+    if f.exists():
+        try:
+            old = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise DeltalensError(f"{f} is unreadable ({e}); remove it or choose another --out") from None
+        diff = sorted(k for k in {*old, *settings} if old.get(k) != settings.get(k))
+        if diff:
+            raise DeltalensError(f"{out} is a sweep with other settings ({', '.join(diff)} differ); use another --out")
+    else:
+        write_json_atomic(settings, f)
+
+
+def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, *, preset: str | None = None,
+              ev: Evaluation | None = None, log: Log = print, progress_factory=None) -> dict:
+    """Train every grid point (per seed), score all on validation, write DIR/sweep.json and DIR/sweep.md."""
+    from deltalens.reports.markdown import sweep_markdown
+
+    if method not in CONFIGS:
+        raise DeltalensError(f"sweep trains es or grpo (got {method!r})")
+    ev = ev or Evaluation()
+    ev.check()
+    out = Path(out)
+    fixed = dict(fixed)
+    model = fixed.get("model") or CONFIGS[method].field("model").default
+    fixed.setdefault("task", default_task(model))
+    preset = auto_preset(model) if preset in (None, "auto") else preset
+    runs = plan(method, grid, fixed, preset=preset, ev=ev, out=out)
+    check_outputs([Output(out, "--out", directory=True)], models=[model], files=[fixed.get("data")])
+    first = runs[0]["config"]
+    task = get_task(first.task, data=first.data, question_field=first.question_field,
+                    answer_field=first.answer_field)
+    if ev.limit is None and len(task.validation()) < 2 or ev.limit is not None and ev.limit < 2:
+        raise DeltalensError("--val-limit must leave at least 2 validation problems (intervals need them)")
+    out.mkdir(parents=True, exist_ok=True)
+    _pin(out, {"method": method, "model": model, "preset": preset, "fixed": {k: str(v) for k, v in fixed.items()},
+               "limit": ev.limit, "samples": ev.samples, "temperature": ev.temperature})
+    t0 = time.time()
+
+    # -- training
+    for i, r in enumerate(runs, 1):
+        run = RunDir(r["dir"])
+        label = f"[{i}/{len(runs)}] {r['name']} seed {r['seed']}"
+        if run.finished(r["total"]):
+            log(f"{label}: done")
+            continue
+        again = (r["dir"] / "config.json").exists()
+        log(f"{label}: {'resuming' if again else 'training'} ({r['total']} iterations/steps)")
+        bar = progress_factory(f"train {r['name']} s{r['seed']}", r["total"]) if progress_factory else None
+        prog = (lambda done, total, row=None, b=bar: b(done, total)) if bar else None
+        trainer = train_es if method == "es" else train_grpo
+        trainer(r["config"], r["dir"], resume=again, progress=prog)
+
+    # -- validation scores (cached by weights)
+    cache = Cache(out / "cache")
+    chat = first.chat_template
+
+    def score(spec: str, label: str) -> list[float]:
+        key = cache.key("sweep-eval", weights=weights_hash(spec), task=task.spec, limit=ev.limit,
+                        samples=ev.samples, temperature=ev.temperature, chat=chat, split="validation")
+
+        def compute():
+            model_, tok = load_model(spec)
+            n = len(task.validation(ev.limit)) * ev.samples
+            prog = progress_factory(f"validation {label}", n) if progress_factory else None
+            res = evaluate(model_, tok, task, samples=ev.samples, ks=[1], temperature=ev.temperature,
+                           limit=ev.limit, seed=0, split="validation", chat_template=chat, progress=prog)
+            return {"per_problem": [[r["n"], r["correct"]] for r in res["per_problem"]],
+                    "mean_reward": res["mean_reward"], "format_rate": res["format_rate"]}
+
+        return cache.get_or_compute(key, compute, log)
+
+    base = score(model, "base")
+    finals = {(r["name"], r["seed"]): score(str(RunDir(r["dir"]).weights()), f"{r['name']} s{r['seed']}")
+              for r in runs}
+
+    def rows(ev_: dict, k: int) -> list[float]:
+        return [pass_at_k(n, c, k) for n, c in ev_["per_problem"]]
+
+    base_p1 = rows(base, 1)
+    points = []
+    for name in dict.fromkeys(r["name"] for r in runs):
+        mine = [r for r in runs if r["name"] == name]
+        m = [rows(finals[(name, r["seed"])], 1) for r in mine]
+        eff = stats.paired_effect(m, [base_p1])
+        logs = [RunDir(r["dir"]).metrics() for r in mine]
+        rewards = [[row["reward_mean"] for row in lg if "reward_mean" in row] for lg in logs]
+        points.append({"name": name, "values": mine[0]["point"], "seeds": [r["seed"] for r in mine],
+                       "pass_at_1": eff["method"], "vs_base": eff["estimate"], "vs_base_ci": eff["ci"],
+                       "mean_reward": sum(finals[(name, r["seed"])]["mean_reward"] for r in mine) / len(mine),
+                       "format_rate": sum(finals[(name, r["seed"])]["format_rate"] for r in mine) / len(mine),
+                       "train_reward_first_last": [[rw[0], rw[-1]] if rw else None for rw in rewards],
+                       "_m": m})
+    best = max(points, key=lambda p: p["pass_at_1"])
+    for p in points:
+        if p is best:
+            p["vs_best"], p["vs_best_ci"], p["within_noise_of_best"] = 0.0, [0.0, 0.0], True
+        else:
+            e = stats.paired_effect(p["_m"], best["_m"])
+            p["vs_best"], p["vs_best_ci"] = e["estimate"], e["ci"]
+            p["within_noise_of_best"] = bool(e["ci"][0] <= 0 <= e["ci"][1])
+    for p in points:
+        del p["_m"]
+    points.sort(key=lambda p: -p["pass_at_1"])
+    doc = {"method": method, "model": model, "task": task.spec, "preset": preset,
+           "fixed": {k: v for k, v in fixed.items() if k != "task"}, "grid": grid,
+           "evaluation": {"split": "validation", "problems": len(base_p1), "samples": ev.samples,
+                          "temperature": ev.temperature, "chat_template": chat, "seeds": list(ev.seeds)},
+           "base": {"pass_at_1": sum(base_p1) / len(base_p1), "mean_reward": base["mean_reward"],
+                    "format_rate": base["format_rate"]},
+           "best": best["name"], "points": points, "seconds": round(time.time() - t0, 1)}
+    write_json_atomic(doc, out / "sweep.json")
+    with atomic_path(out / "sweep.md") as tmp:
+        tmp.write_text(sweep_markdown(doc))
+    return doc
