@@ -61,7 +61,7 @@ def show(doc: dict, out: Path) -> None:
     t = Table(title=f"sweep {doc['method']} on {doc['model']} ({doc['task']}): {ev['problems']} validation problems "
                     f"x {ev['samples']} at T={ev['temperature']}; base Pass@1 {doc['base']['pass_at_1']:.3f}")
     for col in ("point", "Pass@1", "minus base [95%]", "minus best [95%]", "reward"):
-        t.add_column(col, justify="left" if col == "point" else "right")
+        t.add_column(col, justify="left" if col == "point" else "right", overflow="fold")
     for p in doc["points"]:
         best = p["name"] == doc["best"]
         lo, hi = p["vs_best_ci"]

@@ -19,6 +19,8 @@ def test_parse_grid_types_values_and_refuses_what_a_sweep_cannot_vary():
     assert sweep.parse_grid("es", ["sigma=3e-3,6e-3", "--population-batch=1,2"]) == {
         "sigma": [0.003, 0.006], "population_batch": [1, 2]}
     assert sweep.parse_grid("grpo", ["learning_rate=1e-5"]) == {"learning_rate": [1e-5]}
+    assert sweep.parse_grid("grpo", ["lr=1e-5,2e-5", "--prompts=4"]) == {"learning_rate": [1e-5, 2e-5],
+                                                                         "prompts_per_step": [4]}
     for bad, msg in ((["sigmaa=1"], "es has no option --sigmaa"), (["sigma"], "name=v1,v2"),
                      (["seed=0,1"], "use --seeds"), (["task=arith"], "fixed for a whole sweep"),
                      (["sigma=1,1"], "lists a value twice"), (["sigma=1", "sigma=2"], "twice"),

@@ -73,10 +73,13 @@ def parse_grid(method: str, specs: list[str]) -> dict[str, list]:
     """['sigma=3e-3,6e-3', 'alpha=1e-3'] -> {'sigma': [0.003, 0.006], 'alpha': [0.001]}, typed by the config."""
     cls = CONFIGS[method]
     types = cls.types()
+    alias = {x[2:].replace("-", "_"): f.name for f in cls.fields()
+             for x in f.metadata.get("flags", ()) if x.startswith("--")}  # lr -> learning_rate, prompts -> ...
     grid: dict[str, list] = {}
     for spec in specs:
         key, sep, values = spec.partition("=")
         key = key.strip().lstrip("-").replace("-", "_")
+        key = alias.get(key, key)
         if not sep or not key or not values.strip():
             raise DeltalensError(f"--grid must look like name=v1,v2 (got {spec!r})")
         if key not in types or not cls.field(key).metadata.get("cli", True):
@@ -192,7 +195,8 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
             res = evaluate(model_, tok, task, samples=ev.samples, ks=[1], temperature=ev.temperature,
                            limit=ev.limit, seed=0, split="validation", chat_template=chat, progress=prog)
             return {"per_problem": [[r["n"], r["correct"]] for r in res["per_problem"]],
-                    "mean_reward": res["mean_reward"], "format_rate": res["format_rate"]}
+                    "mean_reward": res["mean_reward"], "format_rate": res["format_rate"],
+                    "chat_template": res["chat_template"]}
 
         return cache.get_or_compute(key, compute, log)
 
@@ -231,7 +235,8 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
     doc = {"method": method, "model": model, "task": task.spec, "preset": preset,
            "fixed": {k: v for k, v in fixed.items() if k != "task"}, "grid": grid,
            "evaluation": {"split": "validation", "problems": len(base_p1), "samples": ev.samples,
-                          "temperature": ev.temperature, "chat_template": chat, "seeds": list(ev.seeds)},
+                          "temperature": ev.temperature, "chat_template": base.get("chat_template", chat),
+                          "seeds": list(ev.seeds)},
            "base": {"pass_at_1": sum(base_p1) / len(base_p1), "mean_reward": base["mean_reward"],
                     "format_rate": base["format_rate"]},
            "best": best["name"], "points": points, "seconds": round(time.time() - t0, 1)}
