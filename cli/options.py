@@ -58,6 +58,12 @@ def config_params(cls: type[Config], *, prefix: str = "", exclude: tuple[str, ..
     return params
 
 
+def param(name: str, typ, *flags: str, help: str, default=None, panel: str | None = None) -> inspect.Parameter:
+    """One hand-written keyword option (run-level options of `train`, `sweep`) beside the generated ones."""
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[typ, typer.Option(*flags, help=help, rich_help_panel=panel)])
+
+
 def given(kwargs: dict, cls: type[Config], *, prefix: str = "") -> dict:
     """The options of `cls` a user passed (non-None), keyed by field name."""
     out = {}

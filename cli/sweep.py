@@ -7,9 +7,9 @@ The fixed training options are generated from the config dataclasses, as in `del
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -28,10 +28,7 @@ PANEL = "Sweep"
 
 
 def _params() -> list[inspect.Parameter]:
-    def p(name, typ, *flags, help, default=None):
-        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                 annotation=Annotated[typ, typer.Option(*flags, help=help, rich_help_panel=PANEL)])
-
+    p = functools.partial(o.param, panel=PANEL)
     return [
         p("out", Path, "--out", "-o", help="sweep directory (runs, cache, sweep.json, sweep.md)",
           default=Path("deltalens-sweep")),

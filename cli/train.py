@@ -19,6 +19,7 @@ rewrites it to the subcommand (es-grpo -> `chain --methods es,grpo`), and `--res
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from typing import Annotated
@@ -40,10 +41,7 @@ RUN_PANEL = "Run"
 
 def _run_params() -> list[inspect.Parameter]:
     """Options every new-run command has besides its config fields."""
-    def p(name, typ, *flags, help, default=None):
-        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                 annotation=Annotated[typ, typer.Option(*flags, help=help, rich_help_panel=RUN_PANEL)])
-
+    p = functools.partial(o.param, panel=RUN_PANEL)
     return [
         p("out", Path | None, "--out", "-o", help="run directory to create"),
         p("resume", Path | None, "--resume", help="continue the run in this directory (its settings, plus the "

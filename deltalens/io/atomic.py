@@ -192,6 +192,22 @@ def write_json_atomic(obj, path: str | os.PathLike) -> Path:
 
 
 
+def pin_json(settings: dict, path: str | os.PathLike) -> dict:
+    """Pin `settings` in a JSON file: write it when absent; when present, return {key: (pinned, given)} for
+    every key whose value differs (empty: the same settings). An unreadable file is a one-line error."""
+    path = Path(path)
+    if not path.exists():
+        write_json_atomic(settings, path)
+        return {}
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DeltalensError(f"{path} is unreadable ({e}); remove it or choose another --out") from None
+    if not isinstance(old, dict):
+        raise DeltalensError(f"{path} is not a JSON object; remove it or choose another --out")
+    return {k: (old.get(k), settings.get(k)) for k in {*old, *settings} if old.get(k) != settings.get(k)}
+
+
 def save_state_dict(sd: dict[str, torch.Tensor], path: str | os.PathLike,
                     metadata: dict | None = None) -> Path:
     """Save a state dict atomically as .safetensors or .pt/.pth/.bin (chosen by suffix)."""

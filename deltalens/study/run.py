@@ -22,6 +22,7 @@ the schema, with the verdict table under `study`), DIR/report.html, DIR/verdicts
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +34,7 @@ from deltalens.analysis.report import Cache, training_section, weights_hash
 from deltalens.errors import DeltalensError
 from deltalens.evaluation import evaluate, evaluate_state_dict
 from deltalens.evaluation.passk import pass_at_k
-from deltalens.io.atomic import atomic_path, write_json_atomic
+from deltalens.io.atomic import atomic_path, pin_json, write_json_atomic
 from deltalens.io.models import load_model
 from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
@@ -46,6 +47,7 @@ from deltalens.training.es.config import ESConfig
 from deltalens.training.es.train import train_es
 from deltalens.training.grpo.config import GRPOConfig
 from deltalens.training.grpo.train import train_grpo
+from deltalens.training.launch import train_unless_finished
 
 NORM_ATTN = ("norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o", "attn_bias")
 EMBED_HEAD = ("embed", "lm_head")
@@ -97,22 +99,14 @@ def train_runs(cfg: StudyConfig, plan: list[dict], log: Log, progress_factory=No
     """Train what is not finished: new runs start, killed runs resume from their last checkpoint."""
     budget = study_budget(cfg)
     for r in plan:
-        run = RunDir(r["dir"])
-        if run.finished(r["total"]):
-            log(f"{r['label']}: done")
-            continue
-        again = (r["dir"] / "config.json").exists()
-        log(f"{r['label']}: {'resuming' if again else 'training'} ({r['total']} iterations/steps)")
-        bar = progress_factory(f"train {r['label']}", r["total"]) if progress_factory else None
-        prog = (lambda done, total, row=None, b=bar: b(done, total)) if bar else None
         if r["method"] == "es":
-            train_es(r["configs"]["es"], r["dir"], resume=again, progress=prog)
+            train = functools.partial(train_es, r["configs"]["es"], r["dir"])
         elif r["method"] == "grpo":
-            train_grpo(r["configs"]["grpo"], r["dir"], resume=again, progress=prog)
+            train = functools.partial(train_grpo, r["configs"]["grpo"], r["dir"])
         else:
-            train_chain(r["dir"], r["method"].split("-"), model=cfg.model, task=cfg.task, budget=budget,
-                        es_config=r["configs"]["es"], grpo_config=r["configs"]["grpo"], resume=again,
-                        progress=prog)
+            train = functools.partial(train_chain, r["dir"], r["method"].split("-"), model=cfg.model, task=cfg.task,
+                                      budget=budget, es_config=r["configs"]["es"], grpo_config=r["configs"]["grpo"])
+        train_unless_finished(r["dir"], r["total"], r["label"], train, log=log, progress_factory=progress_factory)
 
 
 # ------------------------------------------------------------------------------------------- measures
@@ -395,7 +389,6 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
             ht = get_task(name)
             for label, spec in [("base", cfg.model), *((r["label"], str(r["dir"])) for r in plan)]:
                 held_out.setdefault(label, {})[name] = m.evaluation(spec, label, 0, task=ht)["pass_at_k"]
-        m.close_engine()
 
         claims = [{"id": cid, "title": title, "checks": [c for c in checks if c["claim"] == cid],
                    "verdict": _claim_verdict([c for c in checks if c["claim"] == cid])}
@@ -488,19 +481,8 @@ def _diversity(cfg: StudyConfig, m: Measures, run: dict, log: Log) -> dict:
 
 def _check_study_file(cfg: StudyConfig, out: Path) -> None:
     """DIR/study.json pins what the runs depend on: a rerun may add seeds or methods, not change these."""
-    import json
-
     pinned = ("model", "task", "budget", "preset", "chat_template")
-    f = out / "study.json"
-    mine = {k: getattr(cfg, k) for k in pinned}
-    if f.exists():
-        try:
-            old = json.loads(f.read_text())
-        except (OSError, ValueError) as e:
-            raise DeltalensError(f"{f} is unreadable ({e}); remove it or choose another --out") from None
-        diff = {k: (old.get(k), v) for k, v in mine.items() if old.get(k) != v}
-        if diff:
-            raise DeltalensError(f"{out} is a study with other settings ({', '.join(f'{k}: {a!r} vs {b!r}' for k, (a, b) in diff.items())}); "
-                                 "use another --out")
-    else:
-        write_json_atomic(mine, f)
+    diff = pin_json({k: getattr(cfg, k) for k in pinned}, out / "study.json")
+    if diff:
+        raise DeltalensError(f"{out} is a study with other settings ({', '.join(f'{k}: {a!r} vs {b!r}' for k, (a, b) in sorted(diff.items()))}); "
+                             "use another --out")

@@ -22,6 +22,7 @@ settings) are pinned in DIR/sweep-settings.json: a rerun may add grid values or 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -35,18 +36,18 @@ from deltalens.errors import DeltalensError
 from deltalens.evaluation import evaluate
 from deltalens.evaluation.options import check_eval_options
 from deltalens.evaluation.passk import pass_at_k
-from deltalens.io.atomic import atomic_path, write_json_atomic
+from deltalens.io.atomic import atomic_path, pin_json, write_json_atomic
 from deltalens.io.models import load_model
 from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
 from deltalens.presets import auto_preset, default_task
 from deltalens.tasks import get_task
-from deltalens.training.es.config import ESConfig
 from deltalens.training.es.train import train_es
-from deltalens.training.grpo.config import GRPOConfig
 from deltalens.training.grpo.train import train_grpo
+from deltalens.training.launch import CONFIGS as TRAIN_CONFIGS
+from deltalens.training.launch import train_unless_finished
 
-CONFIGS: dict[str, type[Config]] = {"es": ESConfig, "grpo": GRPOConfig}
+CONFIGS: dict[str, type[Config]] = {m: TRAIN_CONFIGS[m] for m in ("es", "grpo")}  # a sweep trains single runs
 NOT_SWEPT = ("model", "task", "data", "question_field", "answer_field", "seed", "init_from")
 Log = Callable[[str], None]
 
@@ -124,22 +125,6 @@ def plan(method: str, grid: dict[str, list], fixed: dict, *, preset: str | None,
     return runs
 
 
-def _pin(out: Path, settings: dict) -> None:
-    import json
-
-    f = out / "sweep-settings.json"
-    if f.exists():
-        try:
-            old = json.loads(f.read_text())
-        except (OSError, ValueError) as e:
-            raise DeltalensError(f"{f} is unreadable ({e}); remove it or choose another --out") from None
-        diff = sorted(k for k in {*old, *settings} if old.get(k) != settings.get(k))
-        if diff:
-            raise DeltalensError(f"{out} is a sweep with other settings ({', '.join(diff)} differ); use another --out")
-    else:
-        write_json_atomic(settings, f)
-
-
 def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, *, preset: str | None = None,
               ev: Evaluation | None = None, log: Log = print, progress_factory=None) -> dict:
     """Train every grid point (per seed), score all on validation, write DIR/sweep.json and DIR/sweep.md."""
@@ -162,23 +147,18 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
     if ev.limit is None and len(task.validation()) < 2 or ev.limit is not None and ev.limit < 2:
         raise DeltalensError("--val-limit must leave at least 2 validation problems (intervals need them)")
     out.mkdir(parents=True, exist_ok=True)
-    _pin(out, {"method": method, "model": model, "preset": preset, "fixed": {k: str(v) for k, v in fixed.items()},
-               "limit": ev.limit, "samples": ev.samples, "temperature": ev.temperature})
+    diff = pin_json({"method": method, "model": model, "preset": preset, "fixed": {k: str(v) for k, v in fixed.items()},
+                     "limit": ev.limit, "samples": ev.samples, "temperature": ev.temperature}, out / "sweep-settings.json")
+    if diff:
+        raise DeltalensError(f"{out} is a sweep with other settings ({', '.join(sorted(diff))} differ); use another --out")
     t0 = time.time()
 
     # -- training
+    trainer = train_es if method == "es" else train_grpo
     for i, r in enumerate(runs, 1):
-        run = RunDir(r["dir"])
-        label = f"[{i}/{len(runs)}] {r['name']} seed {r['seed']}"
-        if run.finished(r["total"]):
-            log(f"{label}: done")
-            continue
-        again = (r["dir"] / "config.json").exists()
-        log(f"{label}: {'resuming' if again else 'training'} ({r['total']} iterations/steps)")
-        bar = progress_factory(f"train {r['name']} s{r['seed']}", r["total"]) if progress_factory else None
-        prog = (lambda done, total, row=None, b=bar: b(done, total)) if bar else None
-        trainer = train_es if method == "es" else train_grpo
-        trainer(r["config"], r["dir"], resume=again, progress=prog)
+        train_unless_finished(r["dir"], r["total"], f"[{i}/{len(runs)}] {r['name']} seed {r['seed']}",
+                              functools.partial(trainer, r["config"], r["dir"]), log=log,
+                              progress_factory=progress_factory)
 
     # -- validation scores (cached by weights)
     cache = Cache(out / "cache")
@@ -204,14 +184,14 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
     finals = {(r["name"], r["seed"]): score(str(RunDir(r["dir"]).weights()), f"{r['name']} s{r['seed']}")
               for r in runs}
 
-    def rows(ev_: dict, k: int) -> list[float]:
-        return [pass_at_k(n, c, k) for n, c in ev_["per_problem"]]
+    def pass1(ev_: dict) -> list[float]:
+        return [pass_at_k(n, c, 1) for n, c in ev_["per_problem"]]
 
-    base_p1 = rows(base, 1)
+    base_p1 = pass1(base)
     points = []
     for name in dict.fromkeys(r["name"] for r in runs):
         mine = [r for r in runs if r["name"] == name]
-        m = [rows(finals[(name, r["seed"])], 1) for r in mine]
+        m = [pass1(finals[(name, r["seed"])]) for r in mine]
         eff = stats.paired_effect(m, [base_p1])
         logs = [RunDir(r["dir"]).metrics() for r in mine]
         rewards = [[row["reward_mean"] for row in lg if "reward_mean" in row] for lg in logs]

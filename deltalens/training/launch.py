@@ -93,6 +93,21 @@ def start(method: str, *, out: str | Path | None = None, resume: str | Path | No
     return trainer(config, out, resume=False, progress=progress, overwrite=overwrite)
 
 
+def train_unless_finished(run_dir: str | Path, total: int, label: str, train: Callable[..., object], *,
+                          log: Callable[[str], None], progress_factory=None) -> None:
+    """Bring a run directory to `total` iterations/steps: nothing when it is finished, a resume when it was
+    started (config.json exists), else a new run. `train(resume=..., progress=...)` trains it; the
+    progress bar comes from progress_factory(description, total) (studies and sweeps share this)."""
+    run_dir = Path(run_dir)
+    if RunDir(run_dir).finished(total):
+        log(f"{label}: done")
+        return
+    again = (run_dir / "config.json").exists()
+    log(f"{label}: {'resuming' if again else 'training'} ({total} iterations/steps)")
+    bar = progress_factory(f"train {label}", total) if progress_factory else None
+    train(resume=again, progress=(lambda done, total, row=None: bar(done, total)) if bar else None)
+
+
 def _run_method(run_dir: Path) -> str:
     run = RunDir(run_dir)
     if not (run.path / "config.json").is_file():
