@@ -97,6 +97,12 @@ def fmt_g(x: Any) -> str:
     return f"{mant}e{int(exp)}"
 
 
+def fmt_ci(lo: Any, hi: Any, missing: str = "—") -> str:
+    """A 95% interval, [lo, hi] in fmt_g; `missing` when either end is undefined."""
+    lo, hi = num(lo), num(hi)
+    return missing if lo is None or hi is None else f"[{fmt_g(lo)}, {fmt_g(hi)}]"
+
+
 def fmt_int(x: Any) -> str:
     x = num(x)
     return "—" if x is None else f"{int(x):,}"

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import as_dict, as_list, fmt_g, num
+from .common import as_dict, as_list, fmt_ci, fmt_g, num
 
 
 def _ci(lo: Any, hi: Any) -> str:
-    lo, hi = num(lo), num(hi)
-    return "undefined" if lo is None or hi is None else f"[{fmt_g(lo)}, {fmt_g(hi)}]"
+    return fmt_ci(lo, hi, missing="undefined")
 
 
 def _cell(text: Any) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import Context, as_dict, as_list, esc, fmt_g, fmt_int, fmt_pct, fmt_pp, num, sort_ks
+from .common import Context, as_dict, as_list, esc, fmt_ci, fmt_g, fmt_int, fmt_pct, fmt_pp, num, sort_ks
 from .metrics import sparsity_keeping_gain
 
 MAX_ROWS = 300
@@ -112,11 +112,6 @@ def warnings_list(ctx: Context) -> str:
 VERDICT_CLASS = {"reproduced": "up", "contradicted": "down", "mixed": "flat", "unclear": "flat"}
 
 
-def _ci(c: dict) -> str:
-    lo, hi = num(c.get("ci_low")), num(c.get("ci_high"))
-    return "—" if lo is None or hi is None else f"[{fmt_g(lo)}, {fmt_g(hi)}]"
-
-
 def claims_table(ctx: Context) -> str | None:
     """The study's verdicts: one row per claim, then its checks (estimate, 95% interval, paper's direction)."""
     study = as_dict(ctx.analysis.get("study"))
@@ -134,7 +129,7 @@ def claims_table(ctx: Context) -> str | None:
             cv = str(c.get("verdict"))
             null = num(c.get("null")) or 0.0
             rows.append(f'<tr><td>{esc(c.get("check"))}</td><td class="num">{esc(fmt_g(c.get("estimate")))}</td>'
-                        f'<td class="num">{esc(_ci(c))}</td>'
+                        f'<td class="num">{esc(fmt_ci(c.get("ci_low"), c.get("ci_high")))}</td>'
                         f'<td class="num">{esc(c.get("direction"))} vs {esc(fmt_g(null))}</td>'
                         f'<td><span class="delta {VERDICT_CLASS.get(cv, "flat")}">{esc(cv)}</span></td></tr>')
     head = "".join(f"<th>{h}</th>" for h in ("Check", "Estimate", "95% interval", "Paper's direction", "Verdict"))

@@ -38,6 +38,10 @@ def test_study_resumes_after_a_kill_and_redoes_nothing(tmp_path, monkeypatch):
     assert es_final.stat().st_mtime_ns == mtime  # finished runs are not retrained
     assert "es-s0: done" in logs and "es-s1: done" in logs
     validate(doc)
+    # runs are named relative to the study directory: the report reads the same wherever the study moved
+    assert [r["dir"] for r in doc["study"]["runs"]][:2] == ["runs/es-s0", "runs/es-s1"]
+    assert {m["label"]: m["path"] for m in doc["models"]}["grpo-s1"] == "runs/grpo-s1"
+    assert str(tmp_path) not in (out / "report.html").read_text()
     claims = {c["id"]: c for c in doc["study"]["claims"]}
     assert {1, 2, 3, 4, 6, 7} <= set(claims)
     for c in claims.values():

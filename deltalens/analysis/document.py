@@ -11,16 +11,17 @@ from deltalens.schema import new_document
 METHODS = ("es", "grpo", "es-grpo", "grpo-es")
 
 
-def model_entry(label: str, path) -> dict:
+def model_entry(label: str, path, shown: str | None = None) -> dict:
     """The schema's models[] entry: kind "run" for a deltalens run directory (metrics.jsonl), with
-    its method from the run's config when it names one, else "checkpoint"."""
+    its method from the run's config when it names one, else "checkpoint". `shown`: the path written
+    into the document when it differs from the one read (a study's runs, relative to the study)."""
     p = Path(str(path))
     kind, method = "checkpoint", None
     if p.is_dir() and (p / "metrics.jsonl").exists():
         kind = "run"
         m = RunDir(p).method()
         method = m if m in METHODS else None
-    return {"label": label, "path": str(path), "kind": kind, "method": method}
+    return {"label": label, "path": str(path) if shown is None else shown, "kind": kind, "method": method}
 
 
 def analysis_document(base_path, models: list[dict], **sections) -> dict:

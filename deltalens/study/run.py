@@ -23,6 +23,7 @@ the schema, with the verdict table under `study`), DIR/report.html, DIR/verdicts
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +56,12 @@ Log = Callable[[str], None]
 
 
 # ----------------------------------------------------------------------------------------------- runs
+
+
+def _shown(run_dir, out: Path) -> str:
+    """A run directory as the study's documents show it: relative to the study directory, so that a
+    report names the same runs wherever the study was run or moved (runs/es-s0)."""
+    return Path(os.path.relpath(run_dir, out)).as_posix()
 
 
 def _preset(cfg: StudyConfig) -> str:
@@ -398,12 +405,12 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
         study = {"config": {**cfg.to_dict(), "budget": study_budget(cfg), "preset": _preset(cfg)},
                  "rule": stats.rule_text(),
                  "claims": claims, "effects": summary,
-                 "runs": [{"label": r["label"], "method": r["method"], "seed": r["seed"], "dir": str(r["dir"]),
+                 "runs": [{"label": r["label"], "method": r["method"], "seed": r["seed"], "dir": _shown(r["dir"], out),
                            "total": r["total"]} for r in plan],
                  "seconds": round(time.time() - t0, 1)}
         evals = {"base": base_evals[0], **{lab: ev for lab, ev in run_evals.items()}}
         training = {r["label"]: training_section(r["label"], r["dir"]) for r in plan}
-        doc = analysis_document(cfg.model, [model_entry(r["label"], str(r["dir"])) for r in plan],
+        doc = analysis_document(cfg.model, [model_entry(r["label"], str(r["dir"]), _shown(r["dir"], out)) for r in plan],
                                 diff=diffs, ratios=diff_doc["ratios"], evals=evals,
                                 sparsify=sparsify_section or None, diversity=diversity_section or None,
                                 training={k: v for k, v in training.items() if v}, held_out=held_out or None,
