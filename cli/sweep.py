@@ -67,8 +67,9 @@ def show(doc: dict, out: Path) -> None:
                   "best" if best else f"{p['vs_best']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
                   + ("" if p["within_noise_of_best"] else " *"), f"{p['mean_reward']:.3f}")
     c.console.print(t)
-    c.console.print("* the interval against the best excludes 0: this point is worse than the best on validation",
-                    highlight=False)
+    if not all(p["within_noise_of_best"] for p in doc["points"]):
+        c.console.print("* the interval against the best excludes 0: this point is worse than the best on "
+                        "validation", highlight=False)
     c.console.print(f"sweep: {out / 'sweep.json'}, {out / 'sweep.md'}")
 
 

@@ -53,6 +53,9 @@ def test_sweep_scores_on_validation_only_and_a_rerun_redoes_nothing(tmp_path, mo
     names = [p["name"] for p in doc["points"]]
     assert sorted(names) == ["sigma=0.003", "sigma=0.006"] and doc["best"] == names[0]
     by = {p["name"]: p for p in doc["points"]}
+    # the footnote for "*" rows only when some row carries the mark
+    marked = not all(p["within_noise_of_best"] for p in doc["points"])
+    assert ("* the interval against the best excludes 0" in r.output) == marked
     # known answers: each score is what `deltalens eval` prints for that model on the same validation problems
     for spec, want in ((tiny_spec(), doc["base"]["pass_at_1"]),
                        (out / "runs" / "sigma=0.006-s0", by["sigma=0.006"]["pass_at_1"])):
