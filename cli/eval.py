@@ -73,15 +73,16 @@ def eval_cmd(
                         f"{', chat template' if first.get('chat_template') else ''}")
     table.add_column("model")
     ks = list(first["pass_at_k"])
+    mks = [kk for kk in ks if kk != "1"]  # Maj@1 is Pass@1 by definition (one sample votes alone)
     for kk in ks:
         table.add_column(f"Pass@{kk}", justify="right")
-    for kk in ks:
+    for kk in mks:
         table.add_column(f"Maj@{kk}", justify="right")
     table.add_column("reward", justify="right")
     table.add_column("format", justify="right")
     table.add_column("gen s", justify="right")
     for lbl, r in result["evals"].items():
-        table.add_row(lbl, *[f"{r['pass_at_k'][x]:.3f}" for x in ks], *[f"{r['maj_at_k'][x]:.3f}" for x in ks],
+        table.add_row(lbl, *[f"{r['pass_at_k'][x]:.3f}" for x in ks], *[f"{r['maj_at_k'][x]:.3f}" for x in mks],
                       f"{r['mean_reward']:.3f}", f"{r['format_rate']:.2f}", f"{r['timing']['generate_s']:.1f}")
     c.console.print(table)
     if json_out is not None:

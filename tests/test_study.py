@@ -52,6 +52,7 @@ def test_study_resumes_after_a_kill_and_redoes_nothing(tmp_path, monkeypatch):
     assert (out / "report.html").exists() and (out / "verdicts.csv").read_text().startswith("claim,check")
     md = (out / "verdicts.md").read_text()
     assert md.startswith(f"Study of `{tiny_spec()}` on `arith`") and "| model | Pass@1 |" in md
+    assert "es:maj@4" in doc["study"]["effects"] and "es:maj@1" not in doc["study"]["effects"]  # Maj@1 = Pass@1
     assert sum(x.startswith("| **") for x in md.splitlines()) == len(claims)  # one bold row per claim
     assert all(c["check"].replace("|", "\\|") in md for cl in claims.values() for c in cl["checks"])
     # a rerun measures nothing again: every result comes from the cache

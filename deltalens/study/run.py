@@ -293,8 +293,8 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
         effects = {}
         for meth, runs in by_method.items():
             evs = [run_evals[r["label"]] for r in runs]
-            for metric in ("pass", "maj"):
-                for k in cfg.ks:
+            for metric, ks in (("pass", cfg.ks), ("maj", [k for k in cfg.ks if k > 1])):  # Maj@1 = Pass@1
+                for k in ks:
                     effects[(meth, metric, k)] = stats.paired_effect(matrix(evs, metric, k),
                                                                      matrix(base_evals, metric, k), resamples=R)
         k_hi = [k for k in cfg.ks if k > 1]

@@ -79,6 +79,7 @@ def test_cli_eval_tiny_end_to_end_and_seeded(tmp_path):
         r = CliRunner().invoke(app, ["eval", "tiny", "--limit", "8", "--samples", "4", "--k", "1,4", "--json", str(f)])
         assert r.exit_code == 0, r.output
         assert "Pass@1" in r.output and "Maj@4" in r.output
+        assert "Maj@1" not in r.output  # Maj@1 is Pass@1: not a column of its own
         outs.append(json.loads(f.read_text()))
         validate(outs[-1])  # the analysis.json contract
     a, b = outs
