@@ -59,10 +59,21 @@ def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> No
                              "it cannot generate; `deltalens diff` still compares it")
 
 
+def _need_gguf(loc) -> None:
+    """transformers reads a .gguf only with the `gguf` package; say so before it reports something else
+    (its tokenizer path raised "no tokenizer could be loaded" for a missing package)."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise DeltalensError(f"loading {loc} needs the gguf package: pip install 'deltalens[gguf]'") from e
+
+
 def load_tokenizer(ref: ModelRef):
     from transformers import AutoTokenizer
 
     kind, loc = ref.kind, ref.location
+    if kind == "gguf":
+        _need_gguf(loc)
     try:
         with quiet_transformers(gguf=kind == "gguf"):
             if kind == "gguf":
@@ -82,6 +93,8 @@ def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     kind, loc = ref.kind, ref.location
+    if kind == "gguf":
+        _need_gguf(loc)
     try:
         with quiet_transformers(gguf=kind == "gguf"):
             if kind == "gguf":

@@ -71,6 +71,18 @@ def test_bf16_dtype(rand_model_dir):
         load_model(str(rand_model_dir), dtype="fp8")
 
 
+def test_gguf_without_the_gguf_package_says_what_to_install(tmp_path, monkeypatch):
+    from deltalens.cli.main import app
+
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF")  # never read: the missing package is reported first
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # `import gguf` raises ImportError
+    with pytest.raises(DeltalensError, match=r"needs the gguf package: pip install 'deltalens\[gguf\]'"):
+        load_model(str(f))
+    r = CliRunner().invoke(app, ["eval", str(f), "--limit", "1", "--samples", "1", "--k", "1"])
+    assert r.exit_code == 2 and "needs the gguf package" in r.output and "tokenizer" not in r.output
+
+
 def test_gguf_smollm2(smollm2):
     model, tok = load_model(str(smollm2))
     assert model.config.model_type == "llama"
