@@ -2,6 +2,7 @@
 
 import pickle
 import shutil
+import sys
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_gguf_without_the_gguf_package_says_what_to_install(tmp_path, monkeypatc
 
     f = tmp_path / "model.gguf"
     f.write_bytes(b"GGUF")  # never read: the missing package is reported first
-    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # `import gguf` raises ImportError
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
     with pytest.raises(DeltalensError, match=r"needs the gguf package: pip install 'deltalens\[gguf\]'"):
         load_model(str(f))
     r = CliRunner().invoke(app, ["eval", str(f), "--limit", "1", "--samples", "1", "--k", "1"])
