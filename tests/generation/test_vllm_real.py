@@ -69,14 +69,26 @@ def test_seeded_sampling_survives_chunked_scheduling():
     of a seeded request; the backend turns chunked prefill off there. A small token budget per step (256)
     forces the split that killed `deltalens probe smollm2 --backend vllm` at 200 problems x 32 samples."""
     real_vllm()
+    import psutil  # a dependency of vLLM
+
     from deltalens.generation import SamplingParams
     from deltalens.generation.vllm import VLLMBackend
     from deltalens.tasks import get_task
 
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     be = VLLMBackend.from_spec(tiny_spec(), dtype="fp32", max_num_batched_tokens=256, max_model_len=256)
+    # the engine's processes (VLLM::EngineCore, VLLM::Worker), not helpers such as compile workers
+    engine = [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+              and p.name().startswith("VLLM")]
+    held = be.llm  # something else still references the LLM (as in a study, where the base's engine lived on)
     try:
         prompts = [p.prompt for p in get_task("arith").test(300)]
         out = be.generate(prompts, SamplingParams(n=8, temperature=1.0, max_new_tokens=40, seed=0))
     finally:
         be.close()
     assert len(out) == 300 and all(len(cs) == 8 for cs in out)
+    # close() stops the engine itself, not whenever the LLM object happens to be garbage-collected
+    assert engine, "the CPU build runs its engine core in a child process"
+    _, alive = psutil.wait_procs(engine, timeout=30)
+    assert not alive, f"engine processes still running after close(): {[p.name() for p in alive]}"
+    del held
