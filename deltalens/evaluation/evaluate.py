@@ -67,11 +67,18 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
 def evaluate_state_dict(base_model_spec: str, state_dict: dict[str, torch.Tensor], task: str | Task, *,
                         samples: int = 32, ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6,
                         limit: int | None = None, seed: int = 0, model_cache: dict | None = None,
-                        chat_template: str = "auto") -> dict:
+                        chat_template: str = "auto", backend=None, progress=None) -> dict:
     """Evaluate `state_dict` applied onto the architecture (and tokenizer) of `base_model_spec`.
 
-    Pass a dict as `model_cache` to reuse one loaded model across calls (sparsification sweeps).
+    Pass a dict as `model_cache` to reuse one loaded model across calls (sparsification sweeps). Or pass a
+    running vLLM `backend` of `base_model_spec` (`VLLMBackend`): the state dict is loaded into its engine
+    (`load_state_dict`) and sampled there; the engine keeps these weights afterwards.
     """
+    t = get_task(task) if isinstance(task, str) else task
+    if backend is not None:
+        backend.load_state_dict(state_dict)
+        return evaluate(None, backend.tok, t, samples=samples, ks=ks, temperature=temperature, limit=limit,
+                        seed=seed, chat_template=chat_template, backend=backend, progress=progress)
     if model_cache is not None and base_model_spec in model_cache:
         model, tok = model_cache[base_model_spec]
     else:
@@ -79,9 +86,8 @@ def evaluate_state_dict(base_model_spec: str, state_dict: dict[str, torch.Tensor
         if model_cache is not None:
             model_cache[base_model_spec] = (model, tok)
     apply_state_dict(model, state_dict, source="state dict")
-    t = get_task(task) if isinstance(task, str) else task
     return evaluate(model, tok, t, samples=samples, ks=ks, temperature=temperature, limit=limit, seed=seed,
-                    chat_template=chat_template)
+                    chat_template=chat_template, progress=progress)
 
 
 def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] | None = None,

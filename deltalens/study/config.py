@@ -41,8 +41,8 @@ class StudyConfig(Config):
     entropy_prompts: int = option(100, "test prompts of the token-entropy measurement (claim 6)")
     held_out: tuple[str, ...] = option((), "held-out tasks evaluated for forgetting, comma-separated (e.g. arith-3)")
     chat_template: str = option("auto", "prompts through the tokenizer's chat template: auto, on, off")
-    backend: str = option("hf", "backend of the Pass@K evaluations: hf, or vllm (docs/vllm.md); training, "
-                          "sparsity, entropy and diversity always run on HF")
+    backend: str = option("hf", "backend of the Pass@K and sparsity evaluations: hf, or vllm (docs/vllm.md); "
+                          "training, entropy and diversity always run on HF")
     resamples: int = option(2000, "bootstrap resamples of every interval")
 
     def __post_init__(self):

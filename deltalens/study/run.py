@@ -11,6 +11,7 @@ content hash of what it depends on (a rerun recomputes nothing that is done):
     distances    the weight diff of every run (rel. L2 from init, top-100 coordinates by |Δ| and |Δ|/|θ0|)
     sparsity     each ES / GRPO run of the first seed thresholded at target sparsities (one global τ), with
                  two controls at equal sparsity: a random mask, and a uniform shrink of Δ to the same norm
+                 (with --backend vllm all of them sampled on one engine of the base, weights swapped in)
     diversity    the population of the first ES run around its final weights (JS, corrected JS of success,
                  coverage against the centre)
     entropy      token entropy of every model along its own samples
@@ -119,6 +120,9 @@ def train_runs(cfg: StudyConfig, plan: list[dict], log: Log, progress_factory=No
 # ------------------------------------------------------------------------------------------- measures
 
 
+SPARSE = "sparse-weights:"  # Measures._engine's key while it computes with a loaded state dict
+
+
 class Measures:
     """Cached measurements of the study's models (results keyed by content hash in DIR/cache)."""
 
@@ -185,19 +189,34 @@ class Measures:
 
         return self.cache.get_or_compute(key, compute, self.log)
 
-    def state_dict_pass1(self, base: str, sd: dict, tag: str, seed: int = 0) -> list[float]:
-        """Per-problem Pass@1 of `sd` applied onto the base architecture (sparsity evaluations)."""
+    def state_dict_pass1(self, base: str, sd: dict, tag: str, seed: int = 0, label: str = "") -> list[float]:
+        """Per-problem Pass@1 of `sd` applied onto the base architecture (sparsity evaluations). With
+        --backend vllm every state dict is loaded into one engine of the base (`VLLMBackend.load_state_dict`),
+        which then no longer serves the base's own evaluations (`self._engine` is marked)."""
         cfg = self.cfg
+        extra = {"backend": cfg.backend} if cfg.backend != "hf" else {}
         key = self.cache.key("study-sparse-eval", weights=tag, task=self.task.spec, samples=cfg.sparsify_samples,
-                             temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template)
+                             temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template,
+                             **extra)
 
         def compute():
-            if not self._sparse:
-                self._loaded.clear()  # one model in memory at a time
-            # one load of the base for the whole sweep: every call overwrites all its weights
-            res = evaluate_state_dict(base, sd, self.task, samples=cfg.sparsify_samples, ks=[1],
-                                      temperature=cfg.temperature, limit=cfg.limit, seed=seed,
-                                      model_cache=self._sparse, chat_template=cfg.chat_template)
+            n = len(self.task.test(cfg.limit)) * cfg.sparsify_samples
+            prog = self.progress_factory(f"eval {label or tag.split(':')[0]} (Pass@1)", n) if self.progress_factory else None
+            if cfg.backend == "vllm":
+                if self._engine is None or self._engine[0] not in (base, SPARSE + base):
+                    self.engine(base)
+                be = self._engine[1]
+                self._engine = (SPARSE + base, be)  # its weights are no longer the base's
+                res = evaluate_state_dict(base, sd, self.task, samples=cfg.sparsify_samples, ks=[1],
+                                          temperature=cfg.temperature, limit=cfg.limit, seed=seed,
+                                          backend=be, progress=prog)
+            else:
+                if not self._sparse:
+                    self._loaded.clear()  # one model in memory at a time
+                # one load of the base for the whole sweep: every call overwrites all its weights
+                res = evaluate_state_dict(base, sd, self.task, samples=cfg.sparsify_samples, ks=[1],
+                                          temperature=cfg.temperature, limit=cfg.limit, seed=seed,
+                                          model_cache=self._sparse, chat_template=cfg.chat_template, progress=prog)
             return {"pass1": [r["correct"] / r["n"] for r in res["per_problem"]]}
 
         return self.cache.get_or_compute(key, compute, self.log)["pass1"]
@@ -442,8 +461,8 @@ def _sparsity(cfg: StudyConfig, m: Measures, run: dict, log: Log, R: int) -> dic
         taus = thresholds_for_sparsity(bsrc, csrc, list(cfg.sparsity))
         base_sd = {n: bsrc.get(n) for n in bsrc.names()}
         ckpt_sd = {n: csrc.get(n) for n in csrc.names()}
-    base_p1 = m.state_dict_pass1(cfg.model, base_sd, "base:" + m.hash(cfg.model))
-    full_p1 = m.state_dict_pass1(cfg.model, ckpt_sd, "full:" + m.hash(str(run["dir"])))
+    base_p1 = m.state_dict_pass1(cfg.model, base_sd, "base:" + m.hash(cfg.model), label="base")
+    full_p1 = m.state_dict_pass1(cfg.model, ckpt_sd, "full:" + m.hash(str(run["dir"])), label=run["label"])
     points, checks = [], []
     for target, tau in zip(cfg.sparsity, taus):
         log(f"sparsity {target:g} of {run['label']}: threshold, random mask, uniform shrink")
@@ -451,9 +470,10 @@ def _sparsity(cfg: StudyConfig, m: Measures, run: dict, log: Log, R: int) -> dic
         rnd, _ = random_mask(base_sd, ckpt_sd, st["sparsity"], seed=run["seed"])
         shr, _ = uniform_shrink(base_sd, ckpt_sd, st["kept_l2_frac"] or 0.0)
         tag = f"{m.hash(str(run['dir']))}:{tau!r}"
-        p = {"threshold": m.state_dict_pass1(cfg.model, thr, "thr:" + tag),
-             "random": m.state_dict_pass1(cfg.model, rnd, "rnd:" + tag),
-             "shrink": m.state_dict_pass1(cfg.model, shr, "shr:" + tag)}
+        what = f"{run['label']} at sparsity {target:g}"
+        p = {"threshold": m.state_dict_pass1(cfg.model, thr, "thr:" + tag, label=f"{what}, threshold"),
+             "random": m.state_dict_pass1(cfg.model, rnd, "rnd:" + tag, label=f"{what}, random mask"),
+             "shrink": m.state_dict_pass1(cfg.model, shr, "shr:" + tag, label=f"{what}, uniform shrink")}
         ret = {k: stats.gain_ratio([v], [full_p1], [base_p1], resamples=R) for k, v in p.items()}
         points.append({"target_sparsity": target, "tau": tau, "sparsity": st["sparsity"],
                        "kept_l2_frac": st["kept_l2_frac"], "pass_at_k": {"1": sum(p["threshold"]) / len(base_p1)},

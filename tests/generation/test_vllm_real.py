@@ -64,6 +64,38 @@ def test_pass_at_1_agrees(backends):
     assert 0.1 < p_hf < 0.5  # tiny's Pass@1 is about 0.27: the comparison is not between two zeros
 
 
+def test_loaded_state_dict_is_what_the_engine_computes_with(backends):
+    """`VLLMBackend.load_state_dict` on the real engine (the CPU build repacks its linear weights, so this
+    goes through vLLM's in-place reload, the tied LM head processed again): after loading noisy weights,
+    greedy completions of 100 problems are the HF model's on those weights (and differ from the base's,
+    so the prompts' cached KV blocks were not reused); loading the base back restores its completions."""
+    import torch
+
+    from deltalens.generation import HFBackend, SamplingParams
+    from deltalens.io.models import apply_state_dict, load_model
+
+    _, vllm, task = backends
+    model, tok = load_model(tiny_spec())
+    base = {k: v.clone() for k, v in model.state_dict().items()}  # (tiny's LM head is not tied)
+    g = torch.Generator().manual_seed(0)
+    noisy = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v.clone()
+             for k, v in base.items()}
+    apply_state_dict(model, noisy)
+    prompts = [p.prompt for p in task.test(N_PROBLEMS)]
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=task.max_new_tokens)
+    before = vllm.generate(prompts, greedy)
+    try:
+        assert vllm.load_state_dict(noisy)["tensors"] == len(base)
+        got = vllm.generate(prompts, greedy)
+    finally:
+        vllm.load_state_dict(base)  # the module's engine serves the other tests with the base's weights
+    want = HFBackend(model, tok).generate(prompts, greedy)
+    differ = [i for i, (a, b) in enumerate(zip(want, got)) if a != b]
+    assert not differ, f"{len(differ)} of {N_PROBLEMS} differ, first: {want[differ[0]]} vs {got[differ[0]]}"
+    assert sum(a != b for a, b in zip(before, got)) >= 10  # the noise changed what the model says
+    assert vllm.generate(prompts, greedy) == before
+
+
 def test_seeded_sampling_survives_chunked_scheduling():
     """vLLM 0.32's CPU build died ("CPU Generator does not use offset") when chunked prefill split the prompt
     of a seeded request; the backend turns chunked prefill off there. A small token budget per step (256)

@@ -79,6 +79,8 @@ class FakeLLM:
             # of the weights): the checkpoint it loaded, and the in-place reload into the "kernels"
             self.worker._es_checkpoint = lambda: {k: v.clone() for k, v in self.hf.state_dict().items()}
             self.worker.reload_weights = self._reload_weights
+            self.worker.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=self.hf.config,
+                                                                                   dtype=self.hf.dtype))
         self.prefix_resets = 0
         self.reloads = 0
 
@@ -167,7 +169,8 @@ def test_from_spec_arguments(fake_vllm):
     llm = FakeLLM.instances[-1]
     assert llm.kw == {"model": str(model_dir), "tokenizer": str(model_dir), "dtype": "bfloat16",
                       "gpu_memory_utilization": 0.5, "tensor_parallel_size": 1, "seed": 3, "enforce_eager": True,
-                      "max_model_len": 200}
+                      "max_model_len": 200,
+                      "worker_extension_cls": "deltalens.generation.vllm_weights.WeightsWorkerExtension"}
     assert be.llm is llm and be.tok.padding_side == "left"
     from deltalens.training.es.backends.vllm import EXTENSION
 
@@ -362,7 +365,7 @@ def test_study_evaluates_through_vllm_one_engine_per_model(fake_vllm, tmp_path, 
     # that members differ (else z = 0, no update, and the run's weights are the base's)
     monkeypatch.setitem(ESConfig.PRESETS, "paper", {"population": 4, "prompts_per_iteration": 8, "sigma": 0.05,
                                                      "alpha": 0.005, "eval_every": 0})
-    small = {"methods": ("es",), "seeds": (0,), "budget": 128, "limit": 4, "samples": 2, "ks": (1, 2),
+    small = {"methods": ("es",), "seeds": (0,), "budget": 128, "limit": 10, "samples": 2, "ks": (1, 2),
              "base_seeds": 2, "temperature": 1e-4, "sparsity": (0.9,), "sparsify_samples": 1,
              "diversity_members": 2, "diversity_prompts": 2, "entropy_prompts": 2, "resamples": 100}
     out = tmp_path / "study"
@@ -371,14 +374,102 @@ def test_study_evaluates_through_vllm_one_engine_per_model(fake_vllm, tmp_path, 
     logs = []
     v = study_run.run_study(StudyConfig(model=str(_need_tiny()), backend="vllm", **small), out, log=logs.append)
     assert study_run.weights_hash(str(out / "runs" / "es-s0")) != study_run.weights_hash(str(_need_tiny()))
-    assert len(FakeLLM.instances) == 2  # the base (2 seeds on one engine), then es-s0
-    assert [len(x.calls) for x in FakeLLM.instances] == [2, 1]
+    # the base (2 seeds on one engine), es-s0, then the base's engine again for the sparsity evaluations:
+    # base, full run, threshold and its two controls, each state dict loaded into that one engine
+    assert len(FakeLLM.instances) == 3
+    assert [len(x.calls) for x in FakeLLM.instances] == [2, 1, 5]
+    assert FakeLLM.instances[2].reloads == 5
     assert not [x for x in logs if "training" in x] and any(x.startswith("cached: study-entropy") for x in logs)
     for label in ("base", "es-s0"):
         assert [p["correct"] for p in v["evals"][label]["per_problem"]] == \
             [p["correct"] for p in hf["evals"][label]["per_problem"]]
+        assert hf["evals"][label]["pass_at_k"]["1"] > 0
+    # the sparsity evaluations were not taken from the HF study's cache, and agree with it
+    assert not any(x.startswith("cached: study-sparse-eval") for x in logs)
+    sv, sh = v["sparsify"]["es-s0"], hf["sparsify"]["es-s0"]
+    assert sv["full_pass_at_k"] == sh["full_pass_at_k"] and sv["base_pass_at_k"] == sh["base_pass_at_k"]
+    def pass1(sec):
+        return [sec["base_pass_at_k"]["1"], sec["full_pass_at_k"]["1"]] + \
+            [x for p in sec["points"] for x in (p["pass_at_k"]["1"], *(c["pass_at_1"] for c in p["controls"].values()))]
+    assert pass1(sv) == pass1(sh) and min(pass1(sh)) > 0  # (tiny solves 2 of these 10 problems greedily)
     with pytest.raises(DeltalensError, match="--backend must be hf or vllm"):
         StudyConfig(model="tiny", backend="onnx")
+
+
+def _greedy(be, prompts):
+    return be.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=12))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_state_dict_swaps_the_engines_weights(fake_vllm, tmp_path, tied):
+    """`VLLMBackend.load_state_dict`: the worker extension every engine carries takes a whole HF state
+    dict (through a temporary safetensors file, removed afterwards), the engine then computes with it (its
+    greedy completions are the HF model's on those weights), the prefix cache is dropped; partial,
+    misshapen, non-finite or inconsistently tied weights are refused with one line, nothing loaded."""
+    _need_tiny()
+    import glob
+    import tempfile
+
+    from deltalens.generation.vllm_layout import fuse
+    from deltalens.generation.vllm_weights import WEIGHTS_EXTENSION
+    from deltalens.io.models import apply_state_dict, load_model
+
+    model, tok = load_model("tiny")
+    if tied:  # tiny with its LM head tied to the embedding (as SmolLM2's)
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+        model.save_pretrained(tmp_path)
+        tok.save_pretrained(tmp_path)
+        model, tok = load_model(str(tmp_path))
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    be = VLLMBackend.from_spec(str(tmp_path) if tied else "tiny")
+    llm = FakeLLM.instances[-1]
+    assert llm.kw["worker_extension_cls"] == WEIGHTS_EXTENSION
+    # a tied model's state dict has the LM head once: left out here, sent along further down
+    base = {k: v.clone() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    g = torch.Generator().manual_seed(0)
+    other = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v.clone()
+             for k, v in base.items()}
+    prompts = ["12+7=", "3*4=", "99-9=", "5+5="]
+    before = _greedy(be, prompts)
+    leftovers = set(glob.glob(f"{tempfile.gettempdir()}/deltalens-weights-*"))
+    resets = llm.prefix_resets
+    assert be.load_state_dict(other)["tensors"] == len(base)
+    assert set(glob.glob(f"{tempfile.gettempdir()}/deltalens-weights-*")) == leftovers
+    assert llm.prefix_resets == resets + 1
+    want = fuse(other, model.config)
+    assert all(torch.equal(llm.fused[k], want[k]) for k in want)
+    apply_state_dict(model, other)
+    after = _greedy(be, prompts)
+    assert after == HFBackend(model, tok).generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=12))
+    assert after != before  # the noise changed what the model says, so the comparison is not vacuous
+    # (tied: the LM head may come along when it equals the embedding); the base's weights come back exactly
+    be.load_state_dict({**base, "lm_head.weight": base["model.embed_tokens.weight"]} if tied else base)
+    assert _greedy(be, prompts) == before
+    loaded = {k: v.clone() for k, v in llm.fused.items()}
+    bad_shape = {**base, "model.norm.weight": torch.ones(3)}
+    nan = {**base, "model.norm.weight": torch.full_like(base["model.norm.weight"], float("nan"))}
+    partial = {k: v for k, v in base.items() if k != "model.norm.weight"}
+    bad = [(partial, "missing .'model.norm.weight'"), ({**base, "extra.w": torch.ones(1)}, "unexpected"),
+           (bad_shape, "model.norm.weight has shape .3,."), (nan, "non-finite")]
+    if tied:
+        bad.append(({**base, "lm_head.weight": base["model.embed_tokens.weight"] + 1}, "lm_head.weight differs"))
+    else:
+        bad.append(({k: v for k, v in base.items() if k != "lm_head.weight"}, "missing .'lm_head.weight'"))
+    for sd, msg in bad:
+        with pytest.raises(DeltalensError, match=msg):
+            be.load_state_dict(sd)
+        assert all(torch.equal(llm.fused[k], loaded[k]) for k in loaded)  # nothing half-loaded
+    be.close()
+    with pytest.raises(DeltalensError, match="closed"):
+        be.load_state_dict(base)
+
+
+def test_load_state_dict_needs_the_extension(fake_vllm):
+    _need_tiny()
+    be = VLLMBackend.from_spec("tiny", worker_extension_cls=None)
+    with pytest.raises(DeltalensError, match="worker_extension_cls=deltalens.generation.vllm_weights"):
+        be.load_state_dict({})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,9 +503,9 @@ def test_es_through_vllm_extension_equals_local(fake_vllm, monkeypatch, override
     FusedES writes a copy, and the "kernels" see it only through the worker's reload_weights)."""
     _need_tiny()
     from deltalens.generation.vllm_layout import unfuse
+    from deltalens.generation.vllm_weights import WEIGHTS_ENV
     from deltalens.training.es.backends import LocalBackend
     from deltalens.training.es.backends.vllm import EXTENSION, VLLMESBackend
-    from deltalens.training.es.backends.vllm_weights import WEIGHTS_ENV
     from deltalens.training.es.train import _iteration
 
     monkeypatch.setenv(WEIGHTS_ENV, mode)
@@ -455,6 +546,8 @@ def test_es_through_vllm_extension_equals_local(fake_vllm, monkeypatch, override
     else:
         assert llm.reloads == 0
         assert all(v.untyped_storage().data_ptr() in fused_ptrs for v in es.views.values())
+    with pytest.raises(DeltalensError, match="this vLLM engine runs ES"):  # its weights are ES's state
+        backend.generator.load_state_dict(dict(engine.model.state_dict()))
     backend.close()
     assert backend.llm is None and llm.worker._deltalens_es is None
 
@@ -500,7 +593,7 @@ def test_es_backend_sync_always_and_bad_option(fake_vllm):
 
 
 def test_weights_mode(monkeypatch):
-    from deltalens.training.es.backends.vllm_weights import WEIGHTS_ENV, kernels_read_parameters
+    from deltalens.generation.vllm_weights import WEIGHTS_ENV, kernels_read_parameters
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     monkeypatch.setitem(sys.modules, "vllm", None)  # no vLLM platform to ask: the model decides
@@ -523,7 +616,7 @@ def test_publish_reloads_then_processes_tied_modules(caplog):
     per-call reload noise is not logged; without reload_weights, a one-line error."""
     import logging
 
-    from deltalens.training.es.backends.vllm_weights import publish
+    from deltalens.generation.vllm_weights import publish
 
     processed = []
 

@@ -19,7 +19,7 @@ perturbation θ + s·ε in fp32 rounded once to the weight dtype; the update acc
 That is the GPU way: there vLLM's linear layers multiply by their parameter tensors, so writing into them
 changes the model. vLLM's CPU build repacks every linear weight after loading and computes with the packed
 copies; there `FusedES` works on a fused copy of the checkpoint and every perturb/restore/update is pushed
-into vLLM with vLLM's own weight reload (`deltalens.training.es.backends.vllm_weights`, which holds the
+into vLLM with vLLM's own weight reload (`deltalens.generation.vllm_weights`, which holds the
 one platform decision). The ES arithmetic is the same code on both.
 
 Noise is drawn on the CPU (torch's mt19937 generator: the HF path's numbers; a GPU generator would give
@@ -41,10 +41,10 @@ import torch
 from safetensors.torch import load_file
 
 from deltalens.errors import DeltalensError
+from deltalens.generation import vllm_weights
 from deltalens.generation.vllm import VLLMBackend
 from deltalens.generation.vllm_layout import arch
 from deltalens.io.models import apply_state_dict
-from deltalens.training.es.backends import vllm_weights
 from deltalens.training.es.engine import PARALLEL_MIN, new_timing
 from deltalens.training.es.strategy import (
     accumulate_noise,
@@ -292,7 +292,7 @@ def _split(wall: float, parts: list[tuple[float, float]]) -> tuple[float, float]
     return wall * share, wall * (1 - share)
 
 
-class ESWorkerExtension:
+class ESWorkerExtension(vllm_weights.WeightsWorkerExtension):
     """Mixed into vLLM's worker (`LLM(..., worker_extension_cls=EXTENSION)`); called through
     `llm.collective_rpc("es_...", args=(...))`. Holds one `FusedES`.
 
@@ -302,13 +302,6 @@ class ESWorkerExtension:
     into vLLM after every change (`vllm_weights.publish`: vLLM's in-place weight reload).
     """
 
-    def _es_model(self):
-        runner = self.model_runner
-        get = getattr(runner, "get_model", None)
-        model = get() if callable(get) else runner.model
-        unwrap = getattr(model, "unwrap", None)  # CUDA-graph wrappers of some vLLM versions
-        return unwrap() if callable(unwrap) else model
-
     def _es_state(self) -> FusedES:
         es = getattr(self, "_deltalens_es", None)
         if es is None:
@@ -317,7 +310,7 @@ class ESWorkerExtension:
 
     def _es_checkpoint(self) -> dict[str, torch.Tensor]:
         """HF-named tensors of the checkpoint this worker loaded (the shadow's source in reload mode)."""
-        return vllm_weights.read_checkpoint(self.vllm_config, self._es_model())
+        return vllm_weights.read_checkpoint(self.vllm_config, self._deltalens_model())
 
     def _es_publish(self) -> float:
         """Make vLLM compute with FusedES's weights (reload mode; nothing in place); returns seconds."""
@@ -326,7 +319,7 @@ class ESWorkerExtension:
         t0 = time.perf_counter()
         es = self._es_state()
         weights = [(name, es.views[name].view(es.shapes[name])) for name, _ in es.plan["all"]]
-        vllm_weights.publish(getattr(self, "reload_weights", None), self._es_model(), weights)
+        vllm_weights.publish(getattr(self, "reload_weights", None), self._deltalens_model(), weights)
         return time.perf_counter() - t0
 
     def es_init(self, plan: dict) -> str:
@@ -340,7 +333,7 @@ class ESWorkerExtension:
         if tp != 1:
             raise DeltalensError(f"ES with vLLM needs tensor_parallel_size=1 (got {tp}); run one engine per GPU")
         self.es_close()
-        model = self._es_model()
+        model = self._deltalens_model()
         self._deltalens_reload = not vllm_weights.kernels_read_parameters(model)
         if self._deltalens_reload:  # vLLM already computes with the checkpoint: nothing to publish yet
             from deltalens.generation.vllm_layout import fuse, vllm_slices

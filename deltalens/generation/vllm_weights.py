@@ -23,6 +23,10 @@ runs `process_weights_after_loading` again on every other module holding a reloa
 
 `kernels_read_parameters` is the one platform-dependent decision; DELTALENS_VLLM_WEIGHTS=inplace|reload
 overrides it (auto by default). vLLM is imported only inside these functions (they run in its worker).
+
+`WeightsWorkerExtension` (every `VLLMBackend` engine's worker extension; ES's extends it) loads a whole
+HF-named state dict from a safetensors file through the same `publish`: how a sparsity sweep evaluates
+its thresholded models on one engine instead of starting one per model (`VLLMBackend.load_state_dict`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -37,6 +42,8 @@ import torch
 from deltalens.errors import DeltalensError
 
 WEIGHTS_ENV = "DELTALENS_VLLM_WEIGHTS"
+WEIGHTS_EXTENSION = "deltalens.generation.vllm_weights.WeightsWorkerExtension"
+LOAD_RPC = "deltalens_load_weights"
 MODES = ("auto", "inplace", "reload")
 
 
@@ -122,3 +129,53 @@ def _quiet_reload():
     finally:
         for lg in loggers:
             lg.removeFilter(_not_noise)
+
+
+class WeightsWorkerExtension:
+    """Mixed into vLLM's worker (`LLM(..., worker_extension_cls=WEIGHTS_EXTENSION)`); the driver calls
+    `llm.collective_rpc(LOAD_RPC, args=(path,))` (`VLLMBackend.load_state_dict`).
+
+    `deltalens_load_weights(path)` makes the engine compute with the tensors of a safetensors file: HF
+    names, every parameter of the model (a partial file would leave the rest as they were, so it is
+    refused), the tied LM head optional (when present it must equal the embedding). The values are cast
+    to the engine's dtype and published with `publish` (vLLM's in-place reload, the tied head processed
+    again). The caller drops the prefix cache: its KV blocks belong to the old weights.
+    """
+
+    def _deltalens_model(self):
+        runner = self.model_runner
+        get = getattr(runner, "get_model", None)
+        model = get() if callable(get) else runner.model
+        unwrap = getattr(model, "unwrap", None)  # CUDA-graph wrappers of some vLLM versions
+        return unwrap() if callable(unwrap) else model
+
+    def deltalens_load_weights(self, path: str) -> dict:
+        from safetensors.torch import load_file
+
+        from deltalens.generation.vllm_layout import arch, hf_param_shapes, hf_unique_names
+
+        if getattr(self, "_deltalens_es", None) is not None:
+            raise DeltalensError("this vLLM engine runs ES (its weights are ES's state); load weights into an "
+                                 "engine of its own")
+        t0 = time.perf_counter()
+        model_config = self.vllm_config.model_config
+        hf_config = model_config.hf_config
+        want, shapes = hf_unique_names(hf_config), hf_param_shapes(hf_config)
+        sd = load_file(path)
+        if arch(hf_config).tied and "lm_head.weight" in sd:
+            head, emb = sd.pop("lm_head.weight"), sd.get("model.embed_tokens.weight")
+            if emb is not None and not torch.equal(head, emb):
+                raise DeltalensError("the model ties its LM head to the embedding, but lm_head.weight differs "
+                                     "from model.embed_tokens.weight in the weights to load")
+        missing = [n for n in want if n not in sd]
+        extra = sorted(set(sd) - set(want))
+        if missing or extra:
+            raise DeltalensError(f"weights to load do not match the engine's {hf_config.model_type} model: "
+                                 f"missing {missing[:3]}, unexpected {extra[:3]}")
+        bad = [n for n in want if tuple(sd[n].shape) != tuple(shapes[n])]
+        if bad:
+            raise DeltalensError(f"weights to load: {bad[0]} has shape {tuple(sd[bad[0]].shape)}, the engine's "
+                                 f"model {tuple(shapes[bad[0]])}")
+        weights = [(n, sd[n].to(model_config.dtype)) for n in want]
+        publish(getattr(self, "reload_weights", None), self._deltalens_model(), weights)
+        return {"tensors": len(weights), "seconds": time.perf_counter() - t0}
