@@ -158,6 +158,9 @@ def sparsify_cmd(
     json_out: c.JsonOut = None,
     label: Label = None,
     chat_template: c.ChatTemplate = "auto",
+    backend: Annotated[str, typer.Option("--backend", help="backend of the re-evaluations: hf (one model in "
+                                         "memory), or vllm (one engine of the base, each state dict loaded "
+                                         "into it; docs/vllm.md)")] = "hf",
 ):
     """Reset small weight changes (0 < |Δ| <= τ) to the base and measure how much Pass@K gain survives."""
     from deltalens.analysis.sparsify import check_points, sparsify_analysis
@@ -173,18 +176,32 @@ def sparsify_cmd(
     check_eval_options(samples=samples, ks=ks, temperature=temperature, limit=limit)
     problems_of = get_task(task)  # built once; an unknown task is refused now, not after loading both checkpoints
     problems_of.test(limit)
+    if backend not in ("hf", "vllm"):
+        raise DeltalensError(f"--backend must be hf or vllm (got {backend!r})")
+    if backend == "vllm":
+        from deltalens.generation.vllm import import_vllm
+
+        import_vllm()  # a missing vLLM is reported before the checkpoints are read
     check_outputs([Output(json_out, "--json"), Output(out, "--out", directory=True)], models=[ckpt, base])
 
-    cache: dict = {}  # one loaded model shared by every evaluation of the sweep
+    cache: dict = {}  # one loaded model (hf) or one engine of the base (vllm) for every evaluation of the sweep
 
     def evaluate(state_dict):
         from deltalens.evaluation import evaluate_state_dict
+        from deltalens.generation import backend_for_spec
 
+        if backend == "vllm" and "engine" not in cache:
+            cache["engine"] = backend_for_spec("vllm", base, chat_template=chat_template)[0]
         return evaluate_state_dict(base, state_dict, problems_of, samples=samples, ks=ks, temperature=temperature,
-                                   limit=limit, seed=seed, model_cache=cache, chat_template=chat_template)
+                                   limit=limit, seed=seed, model_cache=cache, chat_template=chat_template,
+                                   backend=cache.get("engine"))
 
-    doc = sparsify_analysis(base, ckpt, taus, evaluate, sparsities=targets, label=label, task=task,
-                            out_dir=out)
+    try:
+        doc = sparsify_analysis(base, ckpt, taus, evaluate, sparsities=targets, label=label, task=task,
+                                out_dir=out)
+    finally:
+        if "engine" in cache:
+            cache.pop("engine").close()  # a vLLM engine is a subprocess: never left running
     for lbl, s in doc["sparsify"].items():
         t = Table(title=f"{lbl}: sparsified deltas on {task} (base -> full: "
                         + ", ".join(f"Pass@{kk} {s['base_pass_at_k'][kk]:.3f}->{s['full_pass_at_k'][kk]:.3f}"

@@ -167,7 +167,8 @@ def test_cli_sparsify(tmp_path, monkeypatch):
     seen = []
 
     def fake_evaluate_state_dict(spec, sd, task, *, samples, ks, temperature=0.6, limit=None, seed=0,
-                                 model_cache=None, chat_template="auto"):
+                                 model_cache=None, chat_template="auto", backend=None):
+        assert backend is None
         seen.append((spec, task.spec, samples, tuple(ks), limit, id(task)))
         changed = sum(int((sd[k].float() != base[k].float()).sum())
                       for k in base if base[k].is_floating_point())
@@ -192,6 +193,8 @@ def test_cli_sparsify(tmp_path, monkeypatch):
     assert len(seen) == 4 and len({x[5] for x in seen}) == 1  # base, full, 2 points: one Task object for all
     res = CliRunner().invoke(app, ["sparsify", str(c), "--base", str(b), "--sparsity", "0.5,x"])
     assert res.exit_code == 2 and "comma-separated" in res.output
+    res = CliRunner().invoke(app, ["sparsify", str(c), "--base", str(b), "--backend", "onnx"])
+    assert res.exit_code == 2 and "--backend must be hf or vllm" in res.output
 
 
 def test_controls_match_the_threshold_in_sparsity_and_norm():

@@ -98,6 +98,9 @@ class FakeLLM:
     def reset_prefix_cache(self):
         self.prefix_resets += 1
 
+    def shutdown(self):
+        self.shut_down = True
+
     def generate(self, prompts, sampling_params, use_tqdm=True):
         from deltalens.generation.vllm_layout import unfuse
         from deltalens.io.models import apply_state_dict
@@ -463,6 +466,46 @@ def test_load_state_dict_swaps_the_engines_weights(fake_vllm, tmp_path, tied):
     be.close()
     with pytest.raises(DeltalensError, match="closed"):
         be.load_state_dict(base)
+
+
+def test_sparsify_cli_through_one_vllm_engine(fake_vllm, tmp_path):
+    """`deltalens sparsify --backend vllm`: every re-evaluation of the sweep (base, full, each point) on one
+    engine of the base with the state dict loaded into it, closed afterwards; near-greedy, the same
+    Pass@1 as the HF backend's sweep (the fake engine runs the loaded weights)."""
+    _need_tiny()
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from cli import common
+    from cli.diff import sparsify
+    from deltalens.io.atomic import save_state_dict
+    from deltalens.io.models import load_model
+
+    model, _ = load_model("tiny")
+    g = torch.Generator().manual_seed(1)
+    run = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    ckpt = save_state_dict(run, tmp_path / "run.safetensors")
+    app = typer.Typer()
+    app.command("sparsify")(common.guard(sparsify))
+    app.command("noop")(lambda: None)
+    docs = {}
+    for backend in ("hf", "vllm"):
+        out = tmp_path / f"{backend}.json"
+        res = CliRunner().invoke(app, ["sparsify", str(ckpt), "--base", "tiny", "--sparsity", "0.5,0.9",
+                                       "--thresholds", "", "--samples", "1", "--k", "1", "--limit", "10",
+                                       "--temperature", "1e-4", "--backend", backend, "--json", str(out)])
+        assert res.exit_code == 0, res.output
+        docs[backend] = json.loads(out.read_text())["sparsify"]
+    assert len(FakeLLM.instances) == 1
+    llm = FakeLLM.instances[0]
+    assert llm.reloads == 4 and len(llm.calls) == 4  # base, full, two points, each loaded into the engine
+    assert getattr(llm, "shut_down", False)
+    (hf,), (v,) = docs["hf"].values(), docs["vllm"].values()
+    assert [p["pass_at_k"] for p in v["points"]] == [p["pass_at_k"] for p in hf["points"]]
+    assert v["full_pass_at_k"] == hf["full_pass_at_k"] and v["base_pass_at_k"] == hf["base_pass_at_k"]
+    assert hf["base_pass_at_k"]["1"] > 0
 
 
 def test_load_state_dict_needs_the_extension(fake_vllm):
