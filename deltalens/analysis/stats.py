@@ -31,10 +31,13 @@ from deltalens.errors import DeltalensError
 
 LEVEL = 0.95
 RESAMPLES = 2000
+# A bootstrap bound that is mathematically the null comes out as e.g. 4.4e-18 (float sums of per-problem
+# differences; seen in the SmolLM2 study: GRPO vs base, Pass@32, [4.44e-18, 0.213] was called contradicted).
+NULL_TOL = 1e-9
 RULE = ("Each check: reproduced when its 95% bootstrap interval (over test problems and training seeds) lies "
         "entirely on the paper's side of the null (0 for a difference, 1 or 40 for a distance ratio, 0.5 for a "
         "share of a gain), contradicted when it lies entirely on the other side, unclear when it contains the "
-        "null. A claim is reproduced when all its checks are, contradicted when all are, mixed when some are, "
+        "null (a bound within 1e-9 of the null touches it: float rounding of a zero difference). A claim is reproduced when all its checks are, contradicted when all are, mixed when some are, "
         "unclear otherwise.")
 
 
@@ -138,9 +141,11 @@ def verdict(ci: Sequence[float], direction: int, null: float = 0.0) -> str:
         return "unclear"
     if direction not in (1, -1):
         raise ValueError("direction must be +1 or -1")
-    if (lo > null and direction > 0) or (hi < null and direction < 0):
+    tol = NULL_TOL * max(1.0, abs(null))
+    above, below = lo > null + tol, hi < null - tol
+    if (above and direction > 0) or (below and direction < 0):
         return "reproduced"
-    if (lo > null and direction < 0) or (hi < null and direction > 0):
+    if (above and direction < 0) or (below and direction > 0):
         return "contradicted"
     return "unclear"
 

@@ -58,6 +58,9 @@ def test_verdict_rule():
     assert stats.verdict((-0.05, 0.01), -1) == "unclear"
     assert stats.verdict((1.5, 3.0), +1, null=1.0) == "reproduced"
     assert stats.verdict((0.5, 3.0), +1, null=1.0) == "unclear"
+    # a bound that is the null up to float rounding touches it (the SmolLM2 study's GRPO Pass@32 interval)
+    assert stats.verdict((4.44e-18, 0.213), -1) == "unclear" and stats.verdict((-0.2, -3e-17), +1) == "unclear"
+    assert stats.verdict((1e-6, 0.2), -1) == "contradicted"
     assert "paper's side of the null" in stats.rule_text()
 
 
