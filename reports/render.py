@@ -44,6 +44,11 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "diversity": ("Population diversity", "`deltalens report ... --task T --diversity`"),
     "held_out": ("Forgetting on held-out tasks", "`deltalens report ... --task T --held-out arith-3,arith-long`"),
 }
+# the same, where the analysis is a study's (`deltalens study` writes every section but the held-out one
+# unless asked): its own options, not `deltalens report`'s
+STUDY_SECTIONS: dict[str, str] = {
+    "held_out": "`deltalens study ... --held-out arith-3,arith-long`",
+}
 MAX_DEPTH = 64  # analysis.json nests about 8 levels; far deeper input would exhaust the renderer's recursion
 _DRAW_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError)
 
@@ -238,7 +243,10 @@ def build_html(analysis: dict, *, rendered_at: _dt.datetime | None = None) -> st
                 'compares between methods, and how much of the update can be zeroed while keeping 90% of the '
                 'Pass@1 gain.</p>'), _safe(summary_table, ctx, problems), _safe(warnings_list, ctx, problems)]
     if absent:
-        items = "".join(f"<li><b>{esc(SECTIONS[k][0])}</b> — add with {_code(SECTIONS[k][1])}</li>" for k in absent)
+        study = isinstance(analysis.get("study"), dict)
+        items = "".join(f"<li><b>{esc(SECTIONS[k][0])}</b> — add with "
+                        f"{_code(STUDY_SECTIONS.get(k, SECTIONS[k][1]) if study else SECTIONS[k][1])}</li>"
+                        for k in absent)
         summary.append(f'<div class="absent" id="sections-absent"><b>Sections absent from this analysis</b>'
                        f"<ul>{items}</ul></div>")
     if problems:

@@ -117,6 +117,11 @@ def test_minimal_analysis_only_diff(tmp_path):
     assert "Weight deltas" not in absent
     assert "<td class=\"num\">n/a</td>" in html  # no sparsify: the summary says n/a
     assert 'id="sec-heldout"' not in html
+    # a study's analysis: the hint names the study's own option
+    study = render_report({**minimal_diff(), "study": {"claims": []}}, tmp_path / "s.html").read_text()
+    absent = study[study.index('id="sections-absent"'):]
+    absent = absent[:absent.index("</div>")]
+    assert "deltalens study ... --held-out" in absent and "deltalens report ... --task T --held-out" not in absent
 
 
 def test_envelope_only_renders_everything_absent(tmp_path):
