@@ -801,7 +801,7 @@ def diversity_section(model_spec: str, task, *, members: int | None = None, sigm
         pop.close()
     offset[0] = 2 * pop.size + 1
     section = {"sigma": pop.sigma, "members": pop.size, "prompts": len(problems), "samples": samples,
-               "temperature": temperature, "max_new_tokens": max_new_tokens or t.max_new_tokens, "task": t.name,
+               "temperature": temperature, "max_new_tokens": max_new_tokens or t.max_new_tokens, "task": t.spec,
                "seed": seed, **info, **res}
     if n_sweep:
         section["sigma_sweep"] = sigma_sweep(

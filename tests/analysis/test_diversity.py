@@ -227,8 +227,9 @@ def test_disjoint_members_give_log2_and_the_success_formulas():
 
 
 def test_sigma_zero_gives_zero_js_and_a_schema_entry(rand_model_dir):
-    d = diversity_section(str(rand_model_dir), "arith", members=3, sigma=0.0, prompts=2, samples=2,
-                          max_new_tokens=6)
+    d = diversity_section(str(rand_model_dir), "add:digits=1-2,shots=2", members=3, sigma=0.0, prompts=2,
+                          samples=2, max_new_tokens=6)
+    assert d["task"] == "add:digits=1-2,terms=2,ops=+,shots=2"  # the spec it sampled, shots included
     assert d["js_mean"] == pytest.approx(0.0, abs=1e-9) and abs(d["js_mean"]) <= 3 * d["js_se"] + 1e-9
     assert d["js_mi_mean"] == pytest.approx(0.0, abs=1e-9)
     assert d["js_succ_mean"] == 0.0
