@@ -179,29 +179,35 @@ def sparsify_cmd(
     if backend not in ("hf", "vllm"):
         raise DeltalensError(f"--backend must be hf or vllm (got {backend!r})")
     if backend == "vllm":
-        from deltalens.generation.vllm import import_vllm
+        from deltalens.generation.vllm import check_weight_loading, import_vllm
 
-        import_vllm()  # a missing vLLM is reported before the checkpoints are read
+        import_vllm()  # a missing vLLM, or a model it cannot swap weights of, is reported before any work
+        check_weight_loading(base)
     check_outputs([Output(json_out, "--json"), Output(out, "--out", directory=True)], models=[ckpt, base])
 
-    cache: dict = {}  # one loaded model (hf) or one engine of the base (vllm) for every evaluation of the sweep
+    cache: dict = {}  # hf: one loaded model for every evaluation of the sweep
+    engine: list = []  # vllm: one engine of the base, started at the first evaluation
 
     def evaluate(state_dict):
         from deltalens.evaluation import evaluate_state_dict
         from deltalens.generation import backend_for_spec
 
-        if backend == "vllm" and "engine" not in cache:
-            cache["engine"] = backend_for_spec("vllm", base, chat_template=chat_template)[0]
+        if backend == "vllm":
+            if not engine:
+                engine.append(backend_for_spec("vllm", base, chat_template=chat_template)[0])
+            return evaluate_state_dict(base, state_dict, problems_of, samples=samples, ks=ks,
+                                       temperature=temperature, limit=limit, seed=seed, backend=engine[0])
         return evaluate_state_dict(base, state_dict, problems_of, samples=samples, ks=ks, temperature=temperature,
-                                   limit=limit, seed=seed, model_cache=cache, chat_template=chat_template,
-                                   backend=cache.get("engine"))
+                                   limit=limit, seed=seed, model_cache=cache, chat_template=chat_template)
 
     try:
         doc = sparsify_analysis(base, ckpt, taus, evaluate, sparsities=targets, label=label, task=task,
                                 out_dir=out)
     finally:
-        if "engine" in cache:
-            cache.pop("engine").close()  # a vLLM engine is a subprocess: never left running
+        if engine:
+            engine.pop().close()  # a vLLM engine is a subprocess: never left running
+    for s in doc["sparsify"].values():
+        s["backend"] = backend
     for lbl, s in doc["sparsify"].items():
         t = Table(title=f"{lbl}: sparsified deltas on {task} (base -> full: "
                         + ", ".join(f"Pass@{kk} {s['base_pass_at_k'][kk]:.3f}->{s['full_pass_at_k'][kk]:.3f}"

@@ -76,6 +76,9 @@ def evaluate_state_dict(base_model_spec: str, state_dict: dict[str, torch.Tensor
     """
     t = get_task(task) if isinstance(task, str) else task
     if backend is not None:
+        if model_cache is not None:
+            raise DeltalensError("evaluate_state_dict: pass a vLLM backend or a model_cache, not both")
+        # the backend's own chat setting decides the prompt form (it was built with one)
         backend.load_state_dict(state_dict)
         return evaluate(None, backend.tok, t, samples=samples, ks=ks, temperature=temperature, limit=limit,
                         seed=seed, chat_template=chat_template, backend=backend, progress=progress)

@@ -46,6 +46,15 @@ def import_vllm():
     return vllm
 
 
+def check_weight_loading(model_spec: str) -> None:
+    """Refuse now, before any work, a model whose state dicts `VLLMBackend.load_state_dict` cannot check
+    and load (the layout mapping knows Llama and Qwen2: `deltalens.generation.vllm_layout.arch`)."""
+    from deltalens.generation.vllm_layout import arch
+    from deltalens.io.models import load_config
+
+    arch(load_config(model_spec))
+
+
 class VLLMBackend:
     """Batched sampling with a vLLM `LLM` (all prompts of a call in one `llm.generate`).
 
@@ -228,15 +237,18 @@ class VLLMBackend:
             try:
                 res = self.llm.collective_rpc(LOAD_RPC, args=(path,))
             except Exception as e:  # errors raised in the worker come back as vLLM's own exception types
-                first = (str(e).strip().splitlines() or [""])[0][:300]
-                if "deltalens_load_weights" in str(e) and "attribute" in str(e):
+                msg = str(e)
+                first = (msg.strip().splitlines() or [""])[0][:300]
+                # vLLM 0.32 answers an unknown method with NotImplementedError("Method ... is not implemented.")
+                if LOAD_RPC in msg and ("not implemented" in msg or "attribute" in msg):
                     first = (f"its worker has no {LOAD_RPC}: build the engine with worker_extension_cls="
                              f"{WEIGHTS_EXTENSION} (VLLMBackend.from_spec's default) or a subclass")
                 raise DeltalensError(f"vLLM could not load the weights: {first}") from e
         finally:
             with contextlib.suppress(OSError):
                 os.remove(path)
-        self.reset_prefix_cache()
+            # after a load, and after a load that failed part-way: no KV block of other weights is reused
+            self.reset_prefix_cache()
         return res[0] if res else {}
 
     def reset_prefix_cache(self) -> None:

@@ -113,6 +113,30 @@ def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
                              f"{str(e).splitlines()[0][:200]})") from e
 
 
+def load_config(spec: str | ModelRef, *, config: str | None = None):
+    """The transformers config of a model spec, without loading its weights (a GGUF's from its header)."""
+    from transformers import AutoConfig
+
+    ref = resolve(spec)
+    kind, loc = ref.kind, ref.location
+    if kind == "weights":
+        beside = Path(loc).parent / "config.json"
+        if config is None and not beside.exists():
+            raise DeltalensError(f"{loc} holds weights only; pass --config with the base model "
+                                 "(e.g. --config tiny or an HF directory) to name its architecture")
+        return load_config(config or str(Path(loc).parent))
+    if kind == "gguf":
+        _need_gguf(loc)
+    try:
+        with quiet_transformers(gguf=kind == "gguf"):
+            if kind == "gguf":
+                return AutoConfig.from_pretrained(str(loc.parent), gguf_file=loc.name)
+            return AutoConfig.from_pretrained(str(loc))
+    except Exception as e:  # OSError offline, ValueError on a bad config, ...
+        raise DeltalensError(f"could not read the config of {loc} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
+
+
 def apply_state_dict(model, state_dict: dict[str, torch.Tensor], source: str = "weights") -> None:
     """Copy `state_dict` into `model` (strict on names and shapes, casting dtype); errors name the keys.
     Non-finite weights are refused (`check_finite`) before anything is copied."""

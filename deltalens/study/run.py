@@ -288,9 +288,11 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
     out.mkdir(parents=True, exist_ok=True)
     _check_study_file(cfg, out)
     if cfg.backend == "vllm":
-        from deltalens.generation.vllm import import_vllm
+        from deltalens.generation.vllm import check_weight_loading, import_vllm
 
         import_vllm()  # a missing vLLM is said now, not after hours of training
+        if {"es", "grpo"} & set(cfg.methods):  # the sparsity step loads state dicts into the base's engine
+            check_weight_loading(cfg.model)
     t0 = time.time()
     plan = run_plan(cfg, out)
     train_runs(cfg, plan, log, progress_factory)
@@ -489,7 +491,7 @@ def _sparsity(cfg: StudyConfig, m: Measures, run: dict, log: Log, R: int) -> dic
                 e = stats.paired_effect([p["threshold"]], [p[ctl]], resamples=R)
                 checks.append(_check(3, f"{meth}: threshold minus {ctl} at sparsity {target:g}, Pass@1", meth,
                                      "pass@1", e["estimate"], e["ci"], +1))
-    section = {"task": m.task.spec, "ks": [1], "base_pass_at_k": {"1": sum(base_p1) / len(base_p1)},
+    section = {"task": m.task.spec, "backend": cfg.backend, "ks": [1], "base_pass_at_k": {"1": sum(base_p1) / len(base_p1)},
                "full_pass_at_k": {"1": sum(full_p1) / len(full_p1)}, "points": points}
     return {"section": section, "checks": checks}
 

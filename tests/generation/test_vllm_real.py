@@ -67,8 +67,9 @@ def test_pass_at_1_agrees(backends):
 def test_loaded_state_dict_is_what_the_engine_computes_with(backends):
     """`VLLMBackend.load_state_dict` on the real engine (the CPU build repacks its linear weights, so this
     goes through vLLM's in-place reload, the tied LM head processed again): after loading noisy weights,
-    greedy completions of 100 problems are the HF model's on those weights (and differ from the base's,
-    so the prompts' cached KV blocks were not reused); loading the base back restores its completions."""
+    greedy completions of 100 problems are the HF model's on those weights (and differ from the base's);
+    loading the base back restores its completions. (These prompts are shorter than one KV block, so the
+    prefix cache plays no part here; the next test is about it.)"""
     import torch
 
     from deltalens.generation import HFBackend, SamplingParams
@@ -94,6 +95,48 @@ def test_loaded_state_dict_is_what_the_engine_computes_with(backends):
     assert not differ, f"{len(differ)} of {N_PROBLEMS} differ, first: {want[differ[0]]} vs {got[differ[0]]}"
     assert sum(a != b for a, b in zip(before, got)) >= 10  # the noise changed what the model says
     assert vllm.generate(prompts, greedy) == before
+
+
+def test_loading_weights_drops_the_cached_kv_blocks(backends):
+    """The prefix cache holds KV blocks computed with the weights of their time. Prompts longer than one
+    block (the CPU build's blocks are 128 tokens) are cached by a first pass; after weights are loaded
+    without dropping the cache, vLLM serves the old blocks (the completions differ from those computed
+    afresh: this is what the test can see), and `load_state_dict`, which drops it, gives the fresh ones."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    from deltalens.generation import SamplingParams
+    from deltalens.generation.vllm_weights import LOAD_RPC
+    from deltalens.io.models import load_model
+
+    _, vllm, task = backends
+    prefix = "".join(f"{i}+{i}={2 * i}\n" for i in range(10, 28))  # 126 characters of worked sums
+    prompts = [prefix + p.prompt for p in task.test(20)]
+    assert 140 < min(len(vllm.encode(p)) for p in prompts) <= 240  # over one full block; fits the 256 context
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+    model, _ = load_model(tiny_spec())
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    noisy = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g) if v.numel() > 1 else v.clone()
+             for k, v in base.items()}
+    try:
+        vllm.generate(prompts, greedy)  # caches the prompts' blocks under the base's weights
+        with tempfile.TemporaryDirectory() as d:  # the worker's load alone, the cache kept
+            save_file(noisy, f"{d}/w.safetensors")
+            vllm.llm.collective_rpc(LOAD_RPC, args=(f"{d}/w.safetensors",))
+        stale = vllm.generate(prompts, greedy)
+        vllm.reset_prefix_cache()
+        fresh = vllm.generate(prompts, greedy)
+        vllm.load_state_dict(base)
+        vllm.generate(prompts, greedy)  # the base's blocks cached again
+        vllm.load_state_dict(noisy)
+        got = vllm.generate(prompts, greedy)
+    finally:
+        vllm.load_state_dict(base)
+    assert stale != fresh, "no completion used a cached block: the test cannot see a missing reset"
+    assert got == fresh
 
 
 def test_seeded_sampling_survives_chunked_scheduling():

@@ -63,6 +63,11 @@ def test_bare_weights_onto_config(rand_model_dir, tmp_path, suffix):
     assert all(torch.equal(model.state_dict()[k], sd[k]) for k in sd)
     with pytest.raises(DeltalensError, match="--config"):
         load_model(str(f))  # no config.json beside it
+    from deltalens.io.models import load_config
+
+    assert load_config(str(f), config=str(rand_model_dir)).to_dict() == base.config.to_dict()
+    with pytest.raises(DeltalensError, match="--config"):
+        load_config(str(f))
 
 
 def test_bf16_dtype(rand_model_dir):
@@ -85,6 +90,10 @@ def test_gguf_without_the_gguf_package_says_what_to_install(tmp_path, monkeypatc
 
 
 def test_gguf_smollm2(smollm2):
+    from deltalens.io.models import load_config
+
+    config = load_config(str(smollm2))  # from the GGUF's header, without the weights
+    assert (config.model_type, config.tie_word_embeddings, config.num_hidden_layers) == ("llama", True, 30)
     model, tok = load_model(str(smollm2))
     assert model.config.model_type == "llama"
     assert sum(p.numel() for p in model.parameters()) > 100e6

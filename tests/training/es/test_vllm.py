@@ -93,10 +93,15 @@ class FakeLLM:
             self.fused[k].copy_(v)
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if not hasattr(self.worker, method):  # as vLLM 0.32's engine core reports a method the worker lacks
+            raise RuntimeError(f"Call to collective_rpc method failed: Method {method!r} is not implemented.")
         return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    reset_result = None  # what vLLM's reset_prefix_cache returns (False: it could not)
 
     def reset_prefix_cache(self):
         self.prefix_resets += 1
+        return self.reset_result
 
     def shutdown(self):
         self.shut_down = True
@@ -508,11 +513,48 @@ def test_sparsify_cli_through_one_vllm_engine(fake_vllm, tmp_path):
     assert hf["base_pass_at_k"]["1"] > 0
 
 
-def test_load_state_dict_needs_the_extension(fake_vllm):
+def test_load_state_dict_needs_the_extension_and_a_dropped_cache(fake_vllm):
     _need_tiny()
+    from deltalens.io.models import load_model
+
     be = VLLMBackend.from_spec("tiny", worker_extension_cls=None)
     with pytest.raises(DeltalensError, match="worker_extension_cls=deltalens.generation.vllm_weights"):
         be.load_state_dict({})
+    assert FakeLLM.instances[-1].prefix_resets == 1  # even a failed load drops the cache
+    be = VLLMBackend.from_spec("tiny")
+    FakeLLM.instances[-1].reset_result = False  # vLLM could not drop its prefix cache
+    with pytest.raises(DeltalensError, match="could not drop its prefix cache"):
+        be.load_state_dict(load_model("tiny")[0].state_dict())
+
+
+def test_vllm_weight_loading_refuses_other_architectures_up_front(fake_vllm, tmp_path, monkeypatch):
+    """`sparsify --backend vllm` and `study --backend vllm` refuse a model whose state dicts the engine
+    cannot check and load (the layout mapping knows Llama and Qwen2) before reading any checkpoint or
+    training anything."""
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from cli import common
+    from cli.diff import sparsify
+    from deltalens.study import run as study_run
+    from deltalens.study.config import StudyConfig
+
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2}))
+    app = typer.Typer()
+    app.command("sparsify")(common.guard(sparsify))
+    app.command("noop")(lambda: None)
+    res = CliRunner().invoke(app, ["sparsify", str(tmp_path / "not-read"), "--base", str(gpt2),
+                                   "--backend", "vllm"])
+    assert res.exit_code == 2 and "supports llama, qwen2 models, not 'gpt2'" in res.output, res.output
+    monkeypatch.setattr(study_run, "train_runs", lambda *a, **k: pytest.fail("trained before refusing"))
+    with pytest.raises(DeltalensError, match="not 'gpt2'"):
+        study_run.run_study(StudyConfig(model=str(gpt2), task="arith", backend="vllm"), tmp_path / "study",
+                            log=lambda s: None)
+    assert not FakeLLM.instances
 
 
 # ---------------------------------------------------------------------------------------------
