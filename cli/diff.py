@@ -192,13 +192,11 @@ def sparsify_cmd(
         from deltalens.evaluation import evaluate_state_dict
         from deltalens.generation import backend_for_spec
 
-        if backend == "vllm":
-            if not engine:
-                engine.append(backend_for_spec("vllm", base, chat_template=chat_template)[0])
-            return evaluate_state_dict(base, state_dict, problems_of, samples=samples, ks=ks,
-                                       temperature=temperature, limit=limit, seed=seed, backend=engine[0])
+        if backend == "vllm" and not engine:
+            engine.append(backend_for_spec("vllm", base, chat_template=chat_template)[0])
         return evaluate_state_dict(base, state_dict, problems_of, samples=samples, ks=ks, temperature=temperature,
-                                   limit=limit, seed=seed, model_cache=cache, chat_template=chat_template)
+                                   limit=limit, seed=seed, chat_template=chat_template,
+                                   model_cache=None if engine else cache, backend=engine[0] if engine else None)
 
     try:
         doc = sparsify_analysis(base, ckpt, taus, evaluate, sparsities=targets, label=label, task=task,

@@ -37,8 +37,8 @@ NULL_TOL = 1e-9
 RULE = ("Each check: reproduced when its 95% bootstrap interval (over test problems and training seeds) lies "
         "entirely on the paper's side of the null (0 for a difference, 1 or 40 for a distance ratio, 0.5 for a "
         "share of a gain), contradicted when it lies entirely on the other side, unclear when it contains the "
-        "null (a bound within 1e-9 of it, relative for a null above 1, touches it: float rounding). A claim is reproduced when all its checks are, contradicted when all are, mixed when some are, "
-        "unclear otherwise.")
+        "null (a bound within 1e-9 of it, relative for a null above 1, touches it: float rounding). A claim is "
+        "reproduced when all its checks are, contradicted when all are, mixed when some are, unclear otherwise.")
 
 
 def _matrix(values, what: str) -> np.ndarray:

@@ -113,6 +113,16 @@ def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
                              f"{str(e).splitlines()[0][:200]})") from e
 
 
+def _architecture(loc, config: str | None) -> str:
+    """The spec naming the architecture of a bare weights file: --config, else the directory beside it."""
+    if config is not None:
+        return config
+    if not (Path(loc).parent / "config.json").exists():
+        raise DeltalensError(f"{loc} holds weights only; pass --config with the base model "
+                             "(e.g. --config tiny or an HF directory) to name its architecture")
+    return str(Path(loc).parent)
+
+
 def load_config(spec: str | ModelRef, *, config: str | None = None):
     """The transformers config of a model spec, without loading its weights (a GGUF's from its header)."""
     from transformers import AutoConfig
@@ -120,11 +130,7 @@ def load_config(spec: str | ModelRef, *, config: str | None = None):
     ref = resolve(spec)
     kind, loc = ref.kind, ref.location
     if kind == "weights":
-        beside = Path(loc).parent / "config.json"
-        if config is None and not beside.exists():
-            raise DeltalensError(f"{loc} holds weights only; pass --config with the base model "
-                                 "(e.g. --config tiny or an HF directory) to name its architecture")
-        return load_config(config or str(Path(loc).parent))
+        return load_config(_architecture(loc, config))
     if kind == "gguf":
         _need_gguf(loc)
     try:
@@ -181,14 +187,7 @@ def load_model(spec: str | ModelRef = "tiny", *, config: str | None = None, dtyp
     kind, loc = ref.kind, ref.location
     td = torch_dtype(dtype)
     if kind == "weights":
-        arch = config
-        if arch is None:
-            beside = Path(loc).parent / "config.json"
-            if not beside.exists():
-                raise DeltalensError(f"{loc} holds weights only; pass --config with the base model "
-                                     "(e.g. --config tiny or an HF directory) to name its architecture")
-            arch = str(Path(loc).parent)
-        model, tok = load_model(arch, dtype=dtype, device="cpu")
+        model, tok = load_model(_architecture(loc, config), dtype=dtype, device="cpu")
         apply_state_dict(model, load_state_dict(loc), source=str(loc))
     else:
         if config is not None:

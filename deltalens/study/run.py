@@ -202,21 +202,19 @@ class Measures:
         def compute():
             n = len(self.task.test(cfg.limit)) * cfg.sparsify_samples
             prog = self.progress_factory(f"eval {label or tag.split(':')[0]} (Pass@1)", n) if self.progress_factory else None
+            be = None
             if cfg.backend == "vllm":
                 if self._engine is None or self._engine[0] not in (base, SPARSE + base):
                     self.engine(base)
                 be = self._engine[1]
                 self._engine = (SPARSE + base, be)  # its weights are no longer the base's
-                res = evaluate_state_dict(base, sd, self.task, samples=cfg.sparsify_samples, ks=[1],
-                                          temperature=cfg.temperature, limit=cfg.limit, seed=seed,
-                                          backend=be, progress=prog)
-            else:
-                if not self._sparse:
-                    self._loaded.clear()  # one model in memory at a time
-                # one load of the base for the whole sweep: every call overwrites all its weights
-                res = evaluate_state_dict(base, sd, self.task, samples=cfg.sparsify_samples, ks=[1],
-                                          temperature=cfg.temperature, limit=cfg.limit, seed=seed,
-                                          model_cache=self._sparse, chat_template=cfg.chat_template, progress=prog)
+            elif not self._sparse:
+                self._loaded.clear()  # one model in memory at a time
+            # one base (HF model or engine) for the whole sweep: every call overwrites all its weights
+            res = evaluate_state_dict(base, sd, self.task, samples=cfg.sparsify_samples, ks=[1],
+                                      temperature=cfg.temperature, limit=cfg.limit, seed=seed, backend=be,
+                                      model_cache=None if be else self._sparse, chat_template=cfg.chat_template,
+                                      progress=prog)
             return {"pass1": [r["correct"] / r["n"] for r in res["per_problem"]]}
 
         return self.cache.get_or_compute(key, compute, self.log)["pass1"]
