@@ -68,18 +68,25 @@ def _need_gguf(loc) -> None:
         raise DeltalensError(f"loading {loc} needs the gguf package: pip install 'deltalens[gguf]'") from e
 
 
-def load_tokenizer(ref: ModelRef):
-    from transformers import AutoTokenizer
-
+def _pretrained(auto_cls, ref: ModelRef, **kw):
+    """`auto_cls.from_pretrained` of a resolved spec: a directory or hub id as it is, a .gguf through
+    `gguf_file=` (the gguf package checked first), transformers' noise about GGUF quieted."""
     kind, loc = ref.kind, ref.location
     if kind == "gguf":
         _need_gguf(loc)
+        kw["gguf_file"] = loc.name
+    with quiet_transformers(gguf=kind == "gguf"):
+        return auto_cls.from_pretrained(str(loc.parent if kind == "gguf" else loc), **kw)
+
+
+def load_tokenizer(ref: ModelRef):
+    from transformers import AutoTokenizer
+
+    loc = ref.location
     try:
-        with quiet_transformers(gguf=kind == "gguf"):
-            if kind == "gguf":
-                tok = AutoTokenizer.from_pretrained(str(loc.parent), gguf_file=loc.name)
-            else:
-                tok = AutoTokenizer.from_pretrained(str(loc))
+        tok = _pretrained(AutoTokenizer, ref)
+    except DeltalensError:
+        raise
     except Exception as e:  # transformers raises OSError/ValueError/... for a missing tokenizer
         raise DeltalensError(f"no tokenizer could be loaded from {loc} ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:160]}); put tokenizer files beside the model") from e
@@ -93,13 +100,10 @@ def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     kind, loc = ref.kind, ref.location
-    if kind == "gguf":
-        _need_gguf(loc)
     try:
-        with quiet_transformers(gguf=kind == "gguf"):
-            if kind == "gguf":
-                return AutoModelForCausalLM.from_pretrained(str(loc.parent), gguf_file=loc.name, dtype=dtype)
-            return AutoModelForCausalLM.from_pretrained(str(loc), dtype=dtype)
+        return _pretrained(AutoModelForCausalLM, ref, dtype=dtype)
+    except DeltalensError:
+        raise
     except ImportError as e:
         raise DeltalensError(f"loading {loc} needs an optional package: {e}; "
                              "try `pip install 'deltalens[gguf]'`") from e
@@ -131,13 +135,10 @@ def load_config(spec: str | ModelRef, *, config: str | None = None):
     kind, loc = ref.kind, ref.location
     if kind == "weights":
         return load_config(_architecture(loc, config))
-    if kind == "gguf":
-        _need_gguf(loc)
     try:
-        with quiet_transformers(gguf=kind == "gguf"):
-            if kind == "gguf":
-                return AutoConfig.from_pretrained(str(loc.parent), gguf_file=loc.name)
-            return AutoConfig.from_pretrained(str(loc))
+        return _pretrained(AutoConfig, ref)
+    except DeltalensError:
+        raise
     except Exception as e:  # OSError offline, ValueError on a bad config, ...
         raise DeltalensError(f"could not read the config of {loc} ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e

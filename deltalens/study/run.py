@@ -165,15 +165,18 @@ class Measures:
             self._engine = (spec, be)
         return self._engine[1]
 
+    def _backend_key(self) -> dict:
+        # the backend is part of a cache key only when it is not HF, so HF results cached before it existed count
+        return {"backend": self.cfg.backend} if self.cfg.backend != "hf" else {}
+
     def evaluation(self, spec: str, label: str, seed: int, samples: int | None = None, task=None) -> dict:
         cfg = self.cfg
         task = task or self.task
         samples = samples or cfg.samples
         ks = [k for k in cfg.ks if k <= samples] or [1]
-        # the backend is part of the key only when it is not HF, so HF results cached before it existed count
-        extra = {"backend": cfg.backend} if cfg.backend != "hf" else {}
         key = self.cache.key("study-eval", weights=self.hash(spec), task=task.spec, samples=samples, ks=ks,
-                             temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template, **extra)
+                             temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template,
+                             **self._backend_key())
 
         def compute():
             n = len(task.test(cfg.limit)) * samples
@@ -194,19 +197,18 @@ class Measures:
         --backend vllm every state dict is loaded into one engine of the base (`VLLMBackend.load_state_dict`),
         which then no longer serves the base's own evaluations (`self._engine` is marked)."""
         cfg = self.cfg
-        extra = {"backend": cfg.backend} if cfg.backend != "hf" else {}
         key = self.cache.key("study-sparse-eval", weights=tag, task=self.task.spec, samples=cfg.sparsify_samples,
                              temperature=cfg.temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template,
-                             **extra)
+                             **self._backend_key())
 
         def compute():
             n = len(self.task.test(cfg.limit)) * cfg.sparsify_samples
-            prog = self.progress_factory(f"eval {label or tag.split(':')[0]} (Pass@1)", n) if self.progress_factory else None
+            prog = self.progress_factory(f"eval {label or tag.split(':')[0]} (Pass@1)", n) \
+                if self.progress_factory else None
             be = None
             if cfg.backend == "vllm":
-                if self._engine is None or self._engine[0] not in (base, SPARSE + base):
-                    self.engine(base)
-                be = self._engine[1]
+                marked = self._engine is not None and self._engine[0] == SPARSE + base
+                be = self._engine[1] if marked else self.engine(base)
                 self._engine = (SPARSE + base, be)  # its weights are no longer the base's
             elif not self._sparse:
                 self._loaded.clear()  # one model in memory at a time
@@ -489,7 +491,8 @@ def _sparsity(cfg: StudyConfig, m: Measures, run: dict, log: Log, R: int) -> dic
                 e = stats.paired_effect([p["threshold"]], [p[ctl]], resamples=R)
                 checks.append(_check(3, f"{meth}: threshold minus {ctl} at sparsity {target:g}, Pass@1", meth,
                                      "pass@1", e["estimate"], e["ci"], +1))
-    section = {"task": m.task.spec, "backend": cfg.backend, "ks": [1], "base_pass_at_k": {"1": sum(base_p1) / len(base_p1)},
+    section = {"task": m.task.spec, "backend": cfg.backend, "ks": [1],
+               "base_pass_at_k": {"1": sum(base_p1) / len(base_p1)},
                "full_pass_at_k": {"1": sum(full_p1) / len(full_p1)}, "points": points}
     return {"section": section, "checks": checks}
 
