@@ -40,7 +40,8 @@ def gain_curve(sp: dict, k: str = "1") -> tuple[list[tuple[float, float]], bool 
 def sparsity_keeping_gain(sp: dict, threshold: float = GAIN_THRESHOLD, k: str = "1") -> tuple[float | None, str]:
     """The largest sparsity that still keeps `threshold` of the Pass@k gain, linearly interpolated.
 
-    Returns (value, qualifier): qualifier '' (interpolated), '≥' (every tested point kept the gain: the
+    Returns (value, qualifier): qualifier '≈' (interpolated between two tested sparsities, shown as '≈60%'),
+    '≥' (every tested point kept the gain: the
     value is the largest tested sparsity), or a reason with value None ('no gain', 'no points').
     Walks up from the full model (sparsity 0, all gain) and stops at the first point below the threshold,
     so a noisy curve that dips and recovers reports the conservative (first) crossing.
@@ -55,8 +56,8 @@ def sparsity_keeping_gain(sp: dict, threshold: float = GAIN_THRESHOLD, k: str = 
     for s, g in points:
         if g < threshold:
             if prev_g <= g:  # cannot happen after the first step; guard the division anyway
-                return prev_s, ""
-            return prev_s + (prev_g - threshold) / (prev_g - g) * (s - prev_s), ""
+                return prev_s, "≈"
+            return prev_s + (prev_g - threshold) / (prev_g - g) * (s - prev_s), "≈"
         prev_s, prev_g = s, g
     return prev_s, "≥"
 

@@ -42,6 +42,9 @@ def test_study_resumes_after_a_kill_and_redoes_nothing(tmp_path, monkeypatch):
     assert [r["dir"] for r in doc["study"]["runs"]][:2] == ["runs/es-s0", "runs/es-s1"]
     assert {m["label"]: m["path"] for m in doc["models"]}["grpo-s1"] == "runs/grpo-s1"
     assert str(tmp_path) not in (out / "report.html").read_text()
+    assert doc["diversity"]["es-s0"]["model"] == "runs/es-s0"
+    assert doc["diversity"]["es-s0"]["centre"].startswith("runs/es-s0/checkpoints/")
+    assert str(tmp_path) not in json.dumps(doc)  # analysis.json names no path of this machine
     claims = {c["id"]: c for c in doc["study"]["claims"]}
     assert {1, 2, 3, 4, 6, 7} <= set(claims)
     for c in claims.values():

@@ -11,7 +11,10 @@ and the effect is mean_i d_i. Two confidence intervals (95%, percentile bootstra
   what one seed can tell about these test problems;
 - over problems and seeds (hierarchical): each replicate resamples the problems *and*, independently, the
   method's training seeds and the base's evaluation seeds, so the spread between training runs counts.
-  With one seed it equals the first. This is the interval verdicts use.
+  With one seed it equals the first. This is the interval verdicts use. With few seeds the seed part is
+  resampled from 2-5 values, which understates its spread (see `seed_interval`); the problem part, 100+
+  problems, usually dominates; `ci_problems` beside `ci` in analysis.json shows what the seeds add.
+- a quantity with one value per training seed (a distance ratio, a top-100 share): Student-t over seeds.
 
 Verdict rule (`verdict`), stated in every report: with the paper's direction +1 (raises) or -1
 (lowers), "reproduced" when the interval excludes 0 on the paper's side, "contradicted" when it excludes 0
@@ -34,7 +37,8 @@ RESAMPLES = 2000
 # A bootstrap bound that is mathematically the null comes out as e.g. 4.4e-18 (float sums of per-problem
 # differences; seen in the SmolLM2 study: GRPO vs base, Pass@32, [4.44e-18, 0.213] was called contradicted).
 NULL_TOL = 1e-9
-RULE = ("Each check: reproduced when its 95% bootstrap interval (over test problems and training seeds) lies "
+RULE = ("Each check: reproduced when its 95% interval (bootstrap over test problems and training seeds; "
+        "Student-t over seeds for a value per training seed) lies "
         "entirely on the paper's side of the null (0 for a difference, 1 or 40 for a distance ratio, 0.5 for a "
         "share of a gain), contradicted when it lies entirely on the other side, unclear when it contains the "
         "null (a bound within 1e-9 of it, relative for a null above 1, touches it: float rounding). A claim is "
@@ -115,14 +119,29 @@ def gain_ratio(method, reference, base, *, resamples: int = RESAMPLES, level: fl
     return est, (float(np.quantile(vals, alpha)), float(np.quantile(vals, 1 - alpha)))
 
 
-def seed_bootstrap(values: Sequence[float], *, resamples: int = RESAMPLES, level: float = LEVEL,
-                   seed: int = 0) -> tuple[float, float]:
-    """Percentile interval of the mean of per-seed values (e.g. a distance ratio per seed). One value has
-    no spread to resample: the interval is undefined (NaN, NaN), so the verdict is unclear; one seed cannot
-    say how much another seed would differ."""
+def seed_interval(values: Sequence[float], *, level: float = LEVEL) -> tuple[float, float]:
+    """Student-t interval of the mean of per-seed values (e.g. a distance ratio per training seed):
+    mean ± t_{n-1} · s / sqrt(n). A study has 2-5 seeds; a percentile bootstrap of so few values cannot reach
+    beyond [min, max] and covers the mean far less often than it says (2 seeds: 50%, 3: 75%; see
+    tests/analysis/test_stats.py), while t is exact for normal per-seed values and wide when it should be
+    (2 seeds: t = 12.7). One value has no spread: the interval is undefined (NaN, NaN), so the verdict is
+    unclear; one seed cannot say how much another seed would differ."""
     v = np.asarray(values, dtype=float)
     if v.size == 0 or not np.isfinite(v).all():
-        raise DeltalensError("seed_bootstrap needs finite values")
+        raise DeltalensError("seed_interval needs finite values")
+    if v.size == 1:
+        return math.nan, math.nan
+    half = float(sps.t.ppf((1 + level) / 2, v.size - 1) * v.std(ddof=1) / math.sqrt(v.size))
+    return float(v.mean() - half), float(v.mean() + half)
+
+
+def mean_bootstrap(values: Sequence[float], *, resamples: int = RESAMPLES, level: float = LEVEL,
+                   seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of the mean of many independent values (e.g. a per-prompt gap over 16 prompts);
+    for a handful of seeds use `seed_interval`. Fewer than 2 values: undefined (NaN, NaN)."""
+    v = np.asarray(values, dtype=float)
+    if v.size == 0 or not np.isfinite(v).all():
+        raise DeltalensError("mean_bootstrap needs finite values")
     if v.size == 1:
         return math.nan, math.nan
     if np.ptp(v) == 0:

@@ -352,7 +352,7 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
             ratios = [diffs[a]["whole"]["rel_l2"] / diffs[b]["whole"]["rel_l2"] for a, b in pairs
                       if diffs[b]["whole"]["rel_l2"]]
             if ratios:
-                ci = stats.seed_bootstrap(ratios, resamples=R)
+                ci = stats.seed_interval(ratios)
                 est = sum(ratios) / len(ratios)
                 checks.append(_check(2, "rel. L2 from init, ES / GRPO (per seed): ES farther", "es/grpo", "rel_l2 ratio",
                                      est, ci, +1, null=1.0, per_seed=ratios))
@@ -367,7 +367,7 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
                 for groups, name, who in ((NORM_ATTN, "norm + attention", "es"), (EMBED_HEAD, "embed + lm_head", "grpo")):
                     other = "grpo" if who == "es" else "es"
                     vals = [share(f"{who}-s{s}", groups) - share(f"{other}-s{s}", groups) for s in cfg.seeds]
-                    ci = stats.seed_bootstrap(vals, resamples=R)
+                    ci = stats.seed_interval(vals)
                     checks.append(_check(4, f"top-100 by {'|Δ|' if rank == 'abs' else '|Δ|/|θ0|'}: share in {name}, "
                                             f"{who} minus {other}", who, f"top-100 {rank} share", sum(vals) / len(vals),
                                          ci, +1, per_seed=vals))
@@ -400,7 +400,7 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
         diversity_section = {}
         if "es" in by_method:
             r0 = by_method["es"][0]
-            div = _diversity(cfg, m, r0, log)
+            div = _diversity(cfg, m, r0, out, log)
             diversity_section[r0["label"]] = div
             js, se = div["js_mi_mean"], div["js_mi_se"] or 0.0
             checks.append(_check(7, "population JS (posterior estimator) > 0", "es", "js", js,
@@ -408,7 +408,7 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
             gaps = [p["coverage_population"] - p["coverage_centre"] for p in div["per_prompt"]
                     if p["coverage_centre"] is not None]
             if len(gaps) >= 2:
-                ci = stats.seed_bootstrap(gaps, resamples=R)
+                ci = stats.mean_bootstrap(gaps, resamples=R)
                 checks.append(_check(7, "Pass@N: population (one sample each) minus centre (N samples)", "es",
                                      "coverage gap", sum(gaps) / len(gaps), ci, +1))
 
@@ -497,16 +497,18 @@ def _sparsity(cfg: StudyConfig, m: Measures, run: dict, log: Log, R: int) -> dic
     return {"section": section, "checks": checks}
 
 
-def _diversity(cfg: StudyConfig, m: Measures, run: dict, log: Log) -> dict:
+def _diversity(cfg: StudyConfig, m: Measures, run: dict, out: Path, log: Log) -> dict:
     from deltalens.analysis.diversity import diversity_section
 
     it = max(RunDir(run["dir"]).checkpoints())
     key = m.cache.key("study-diversity", run=m.hash(str(run["dir"])), iteration=it, members=cfg.diversity_members,
                       prompts=cfg.diversity_prompts, temperature=cfg.temperature, chat=cfg.chat_template)
     log(f"population diversity of {run['label']} around iteration {it}")
-    return m.cache.get_or_compute(key, lambda: diversity_section(
+    div = m.cache.get_or_compute(key, lambda: diversity_section(
         str(run["dir"]), m.task, members=cfg.diversity_members, iteration=it, prompts=cfg.diversity_prompts,
         samples=4, temperature=cfg.temperature, chat_template=cfg.chat_template), log)
+    # the run and its checkpoint as the rest of the document names them: relative to DIR, not this machine's paths
+    return {**div, **{k: _shown(div[k], out) for k in ("model", "centre") if isinstance(div.get(k), str)}}
 
 
 def _check_study_file(cfg: StudyConfig, out: Path) -> None:

@@ -64,17 +64,39 @@ def test_verdict_rule():
     assert "paper's side of the null" in stats.rule_text()
 
 
-def test_seed_bootstrap_and_errors():
-    assert all(math.isnan(x) for x in stats.seed_bootstrap([10.7]))  # one seed: no interval
-    assert stats.verdict(stats.seed_bootstrap([10.7]), +1, null=1.0) == "unclear"
-    lo, hi = stats.seed_bootstrap([10.0, 11.0, 12.0])
-    assert 10.0 <= lo < 11.0 < hi <= 12.0
+def test_seed_interval_known_answer_and_errors():
+    assert all(math.isnan(x) for x in stats.seed_interval([10.7]))  # one seed: no interval
+    assert stats.verdict(stats.seed_interval([10.7]), +1, null=1.0) == "unclear"
+    # mean 11, s = 1, t_{0.975, 2} = 4.302653: half-width 4.302653 / sqrt(3) = 2.484138
+    assert stats.seed_interval([10.0, 11.0, 12.0]) == pytest.approx((8.515862, 13.484138), abs=1e-6)
+    assert stats.seed_interval([3.0, 3.0]) == (3.0, 3.0)
+    with pytest.raises(DeltalensError, match="finite"):
+        stats.seed_interval([1.0, math.inf])
+    assert all(math.isnan(x) for x in stats.mean_bootstrap([0.2]))
+    assert stats.mean_bootstrap([0.2, 0.2, 0.2]) == (0.2, 0.2)
+    lo, hi = stats.mean_bootstrap(np.linspace(0, 1, 41), resamples=4000)
+    assert lo == pytest.approx(0.5 - 1.96 * np.linspace(0, 1, 41).std() / math.sqrt(41), abs=0.015)
+    assert hi == pytest.approx(0.5 + 1.96 * np.linspace(0, 1, 41).std() / math.sqrt(41), abs=0.015)
     with pytest.raises(DeltalensError, match="same problems"):
         stats.hierarchical_bootstrap(np.zeros((1, 3)), np.zeros((1, 4)))
     with pytest.raises(DeltalensError, match="finite"):
         stats.paired_effect([[np.nan, 1.0]], [[0.0, 1.0]])
     t = stats.table([{"claim": 1, "check": "x", "verdict": "unclear"}])
     assert t.columns[0] == "claim" and t.iloc[0]["verdict"] == "unclear"
+
+
+@pytest.mark.parametrize("n, boot_cover", [(2, 0.50), (3, 0.75)])
+def test_seed_interval_covers_95_percent_where_a_bootstrap_of_few_seeds_does_not(n, boot_cover):
+    # 3000 studies of n seeds, per-seed values N(5, 1): the t interval holds the true mean 95% of the time
+    # (Monte Carlo s.e. 0.004); the percentile bootstrap of n values is [min, max], which holds it with
+    # probability 1 - 2 / 2**n (0.50 for 2 seeds, 0.75 for 3)
+    rng = np.random.default_rng(7)
+    draws = rng.normal(5.0, 1.0, (3000, n))
+    t_hit = np.mean([lo <= 5.0 <= hi for lo, hi in map(stats.seed_interval, draws)])
+    b_hit = np.mean([lo <= 5.0 <= hi for lo, hi in (stats.mean_bootstrap(d, resamples=400, seed=i)
+                                                    for i, d in enumerate(draws[:600]))])
+    assert abs(t_hit - 0.95) < 0.015
+    assert abs(b_hit - boot_cover) < 0.06
 
 
 def test_gain_ratio_known_answer():
