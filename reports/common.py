@@ -103,6 +103,13 @@ def fmt_ci(lo: Any, hi: Any, missing: str = "—") -> str:
     return missing if lo is None or hi is None else f"[{fmt_g(lo)}, {fmt_g(hi)}]"
 
 
+def per_seed_text(check: dict) -> str:
+    """A verdict check's value for each training seed ("0.12, 0.15"), so that the spread behind an interval
+    over 2-5 seeds is visible; empty for a check with one value (or none) per seed."""
+    vals = [fmt_g(v) for v in as_list(check.get("per_seed")) if num(v) is not None]
+    return ", ".join(vals) if len(vals) > 1 else ""
+
+
 def fmt_int(x: Any) -> str:
     x = num(x)
     return "—" if x is None else f"{int(x):,}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import as_dict, as_list, fmt_ci, fmt_g, num
+from .common import as_dict, as_list, fmt_ci, fmt_g, num, per_seed_text
 
 
 def _ci(lo: Any, hi: Any) -> str:
@@ -60,12 +60,13 @@ def claims_table(study: dict) -> list[str]:
     rows = []
     for cl in as_list(study.get("claims")):
         cl = as_dict(cl)
-        rows.append([f"**{cl.get('id')}**", f"**{cl.get('title')}**", "", "", "", f"**{cl.get('verdict')}**"])
+        rows.append([f"**{cl.get('id')}**", f"**{cl.get('title')}**", "", "", "", "", f"**{cl.get('verdict')}**"])
         for c in as_list(cl.get("checks")):
             c = as_dict(c)
-            rows.append(["", c.get("check"), fmt_g(c.get("estimate")), _ci(c.get("ci_low"), c.get("ci_high")),
+            rows.append(["", c.get("check"), fmt_g(c.get("estimate")), per_seed_text(c),
+                         _ci(c.get("ci_low"), c.get("ci_high")),
                          f"{c.get('direction')} vs {fmt_g(num(c.get('null')) or 0.0)}", c.get("verdict")])
-    return _table(["#", "claim / check", "estimate", "95% interval", "paper's direction", "verdict"], rows)
+    return _table(["#", "claim / check", "estimate", "per seed", "95% interval", "paper's direction", "verdict"], rows)
 
 
 def study_markdown(analysis: dict) -> str:

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from .common import Context, as_dict, as_list, esc, fmt_ci, fmt_g, fmt_int, fmt_pct, fmt_pp, num, sort_ks
+from .common import (
+    Context,
+    as_dict,
+    as_list,
+    esc,
+    fmt_ci,
+    fmt_g,
+    fmt_int,
+    fmt_pct,
+    fmt_pp,
+    num,
+    per_seed_text,
+    sort_ks,
+)
 from .metrics import sparsity_keeping_gain
 
 MAX_ROWS = 300
@@ -122,17 +135,19 @@ def claims_table(ctx: Context) -> str | None:
     for cl in claims:
         cl = as_dict(cl)
         v = str(cl.get("verdict"))
-        rows.append(f'<tr class="claim"><th scope="row" colspan="4">({esc(cl.get("id"))}) {esc(cl.get("title"))}</th>'
+        rows.append(f'<tr class="claim"><th scope="row" colspan="5">({esc(cl.get("id"))}) {esc(cl.get("title"))}</th>'
                     f'<td><span class="delta {VERDICT_CLASS.get(v, "flat")}">{esc(v)}</span></td></tr>')
         for c in as_list(cl.get("checks")):
             c = as_dict(c)
             cv = str(c.get("verdict"))
             null = num(c.get("null")) or 0.0
             rows.append(f'<tr><td>{esc(c.get("check"))}</td><td class="num">{esc(fmt_g(c.get("estimate")))}</td>'
+                        f'<td class="num">{esc(per_seed_text(c))}</td>'
                         f'<td class="num">{esc(fmt_ci(c.get("ci_low"), c.get("ci_high")))}</td>'
                         f'<td class="num">{esc(c.get("direction"))} vs {esc(fmt_g(null))}</td>'
                         f'<td><span class="delta {VERDICT_CLASS.get(cv, "flat")}">{esc(cv)}</span></td></tr>')
-    head = "".join(f"<th>{h}</th>" for h in ("Check", "Estimate", "95% interval", "Paper's direction", "Verdict"))
+    head = "".join(f"<th>{h}</th>" for h in ("Check", "Estimate", "Per training seed", "95% interval",
+                                             "Paper's direction", "Verdict"))
     rule = f'<p class="caption">{esc(study.get("rule"))}</p>' if study.get("rule") else ""
     return f'{rule}<table class="data"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 

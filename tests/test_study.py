@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from deltalens.reports.common import fmt_g
 from support import run_cli, tiny_spec
 
 from deltalens.schema import validate
@@ -58,6 +59,11 @@ def test_study_resumes_after_a_kill_and_redoes_nothing(tmp_path, monkeypatch):
     assert "es:maj@4" in doc["study"]["effects"] and "es:maj@1" not in doc["study"]["effects"]  # Maj@1 = Pass@1
     assert sum(x.startswith("| **") for x in md.splitlines()) == len(claims)  # one bold row per claim
     assert all(c["check"].replace("|", "\\|") in md for cl in claims.values() for c in cl["checks"])
+    # claim 1's checks carry each training seed's effect; their mean is the estimate, and both tables show them
+    ch = claims[1]["checks"][0]
+    assert len(ch["per_seed"]) == 2 and sum(ch["per_seed"]) / 2 == pytest.approx(ch["estimate"])
+    assert f"| {ch['check']} | {fmt_g(ch['estimate'])} | {fmt_g(ch['per_seed'][0])}, " in md
+    assert "<th>Per training seed</th>" in (out / "report.html").read_text()
     # a rerun measures nothing again: every result comes from the cache
     logs.clear()
     study_run.run_study(cfg, out, log=logs.append)

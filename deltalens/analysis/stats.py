@@ -90,6 +90,7 @@ def paired_effect(method, base, *, resamples: int = RESAMPLES, seed: int = 0) ->
     m, b = _matrix(method, "method"), _matrix(base, "base")
     diff = m.mean(0) - b.mean(0)
     return {"estimate": float(diff.mean()), "method": float(m.mean()), "base": float(b.mean()),
+            "per_seed": [float(x) for x in m.mean(1) - b.mean()],  # each training seed's effect: their spread
             "ci_problems": list(problem_bootstrap(m, b, resamples=resamples, seed=seed)),
             "ci": list(hierarchical_bootstrap(m, b, resamples=resamples, seed=seed)),
             "seeds": int(m.shape[0]), "base_seeds": int(b.shape[0]), "problems": int(m.shape[1])}

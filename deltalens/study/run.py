@@ -323,7 +323,8 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
             if meth in by_method:
                 for k, d in want.items():
                     e = effects[(meth, "pass", k)]
-                    checks.append(_check(1, f"{meth} vs base, Pass@{k}", meth, f"pass@{k}", e["estimate"], e["ci"], d))
+                    checks.append(_check(1, f"{meth} vs base, Pass@{k}", meth, f"pass@{k}", e["estimate"], e["ci"], d,
+                                         per_seed=e["per_seed"]))
         if "es-grpo" in by_method:
             kmax = max(cfg.ks)
             for other in ("es", "grpo"):
@@ -332,7 +333,7 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
                     b = matrix([run_evals[r["label"]] for r in by_method[other]], "pass", kmax)
                     e = stats.paired_effect(a, b, resamples=R)
                     checks.append(_check(5, f"es-grpo vs {other}, Pass@{kmax}", "es-grpo", f"pass@{kmax}", e["estimate"],
-                                         e["ci"], +1))
+                                         e["ci"], +1, per_seed=e["per_seed"]))
             if "grpo" in by_method:
                 a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", 1)
                 g = matrix([run_evals[r["label"]] for r in by_method["grpo"]], "pass", 1)
@@ -391,10 +392,12 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
                 ent[meth] = [m.entropy(str(r["dir"])) for r in by_method[meth]]
                 e = stats.paired_effect(ent[meth], [base_ent], resamples=R)
                 if meth == "grpo":
-                    checks.append(_check(6, "grpo vs base, token entropy", "grpo", "entropy", e["estimate"], e["ci"], -1))
+                    checks.append(_check(6, "grpo vs base, token entropy", "grpo", "entropy", e["estimate"], e["ci"], -1,
+                                         per_seed=e["per_seed"]))
         if "es" in ent and "grpo" in ent:
             e = stats.paired_effect(ent["es"], ent["grpo"], resamples=R)
-            checks.append(_check(6, "token entropy, es minus grpo", "es", "entropy", e["estimate"], e["ci"], +1))
+            checks.append(_check(6, "token entropy, es minus grpo", "es", "entropy", e["estimate"], e["ci"], +1,
+                                 per_seed=e["per_seed"]))
 
         # -- population diversity (claim 7), first ES run around its final weights
         diversity_section = {}

@@ -37,6 +37,7 @@ def test_seed_spread_widens_the_hierarchical_interval():
     assert problems_only[1] - problems_only[0] < 1e-9  # averaged over seeds every difference is 0
     assert both[0] < -0.05 and both[1] > 0.05  # resampling seeds shows the runs disagree
     assert stats.verdict(both, +1) == "unclear"
+    assert stats.paired_effect(method, base)["per_seed"] == pytest.approx([0.1, 0.0, -0.1])  # each seed's effect
 
 
 def test_hierarchical_interval_covers_the_truth():

@@ -19,9 +19,9 @@ STUDY = {
     },
     "claims": [{"id": 1, "title": "GRPO raises Pass@1 | lowers Pass@16", "verdict": "mixed", "checks": [
         {"check": "grpo vs base, Pass@1", "estimate": 0.1, "ci_low": 0.08, "ci_high": 0.12, "direction": "+",
-         "null": 0.0, "verdict": "reproduced"},
+         "null": 0.0, "verdict": "reproduced", "per_seed": [0.09, 0.11]},
         {"check": "grpo vs base, Pass@16", "estimate": 0.03, "ci_low": None, "ci_high": None, "direction": "-",
-         "null": 0.0, "verdict": "unclear"}]}],
+         "null": 0.0, "verdict": "unclear", "per_seed": [0.03]}]}],
     "runs": [{"label": "es-s0"}, {"label": "es-s1"}, {"label": "grpo-s0"}, {"label": "grpo-s1"}],
     "seconds": 12.5,
 }
@@ -35,12 +35,13 @@ def test_study_markdown_known_table():
     assert md[i + 2] == "| base | 0.275 | 0.79 | 0.4 |"
     assert md[i + 3] == "| es | 0.287 (+0.0125 [-0.01, 0.035]) | 0.77 (-0.02 [-0.05, 0.01]) | 0.4 (+0 [-0.02, 0.02]) |"
     assert md[i + 4].startswith("| grpo | 0.375 (+0.1 [0.08, 0.12]) | 0.82 (+0.03 undefined) |")
-    assert "| **1** | **GRPO raises Pass@1 \\| lowers Pass@16** |  |  |  | **mixed** |" in md  # pipes escaped
-    assert "|  | grpo vs base, Pass@1 | 0.1 | [0.08, 0.12] | + vs 0 | reproduced |" in md
-    assert "|  | grpo vs base, Pass@16 | 0.03 | undefined | - vs 0 | unclear |" in md
+    assert "| **1** | **GRPO raises Pass@1 \\| lowers Pass@16** |  |  |  |  | **mixed** |" in md  # pipes escaped
+    # each training seed's value beside the interval; one value (one seed) shows nothing extra
+    assert "|  | grpo vs base, Pass@1 | 0.1 | 0.09, 0.11 | [0.08, 0.12] | + vs 0 | reproduced |" in md
+    assert "|  | grpo vs base, Pass@16 | 0.03 |  | undefined | - vs 0 | unclear |" in md
     assert any(x.startswith("Verdict rule: reproduced = ") for x in md)
 
 
 def test_study_markdown_without_effects():
     md = study_markdown({"study": {"claims": []}})
-    assert "Pass@K and Maj@K" not in md and md.endswith("|---|---|---|---|---|---|\n")
+    assert "Pass@K and Maj@K" not in md and md.endswith("|---|---|---|---|---|---|---|\n")
