@@ -9,11 +9,14 @@ is trained with S_m seeds and the base is sampled with S_b evaluation seeds, so 
 and the effect is mean_i d_i. Two confidence intervals (95%, percentile bootstrap):
 - over problems: problems resampled with replacement, seeds averaged (`scipy.stats.bootstrap`, paired);
   what one seed can tell about these test problems;
-- over problems and seeds (hierarchical): each replicate resamples the problems *and*, independently, the
-  method's training seeds and the base's evaluation seeds, so the spread between training runs counts.
-  With one seed it equals the first. This is the interval verdicts use. With few seeds the seed part is
-  resampled from 2-5 values, which understates its spread (see `seed_interval`); the problem part, 100+
-  problems, usually dominates; `ci_problems` beside `ci` in analysis.json shows what the seeds add.
+- over problems and seeds (hierarchical), the interval verdicts use: each replicate resamples the problems
+  (seeds averaged) and adds a draw of each side's seed part, se_s * T with T ~ Student-t(S - 1) and se_s the
+  standard error of the seed effect in the mean (`_seed_part`), so the spread between training runs counts.
+  Why not resample the seeds too: a study has 2-5 seeds, and resampling 2-3 values understates their
+  spread (the bootstrap of n values has variance (n-1)/n of the truth, and no tails beyond [min, max]);
+  the t draw is what a t interval over seeds would give, and with 2 seeds it is wide (t_1: 12.7) as it
+  should be. A side with one seed adds nothing: then the interval is the first one, what one seed can tell
+  about these problems. `ci_problems` beside `ci` in analysis.json shows what the seeds add.
 - a quantity with one value per training seed (a distance ratio, a top-100 share): Student-t over seeds.
 
 Verdict rule (`verdict`), stated in every report: with the paper's direction +1 (raises) or -1
@@ -37,8 +40,8 @@ RESAMPLES = 2000
 # A bootstrap bound that is mathematically the null comes out as e.g. 4.4e-18 (float sums of per-problem
 # differences; seen in the SmolLM2 study: GRPO vs base, Pass@32, [4.44e-18, 0.213] was called contradicted).
 NULL_TOL = 1e-9
-RULE = ("Each check: reproduced when its 95% interval (bootstrap over test problems and training seeds; "
-        "Student-t over seeds for a value per training seed) lies "
+RULE = ("Each check: reproduced when its 95% interval (bootstrap over test problems, each side's spread over "
+        "training seeds drawn from a Student-t; a t interval over seeds for a value per training seed) lies "
         "entirely on the paper's side of the null (0 for a difference, 1 or 40 for a distance ratio, 0.5 for a "
         "share of a gain), contradicted when it lies entirely on the other side, unclear when it contains the "
         "null (a bound within 1e-9 of it, relative for a null above 1, touches it: float rounding). A claim is "
@@ -54,21 +57,34 @@ def _matrix(values, what: str) -> np.ndarray:
     return m
 
 
+def _seed_part(x: np.ndarray, rng: np.random.Generator, resamples: int) -> np.ndarray:
+    """(resamples,) draws of one side's seed part, se_s * t(S-1); zeros for one seed. `x`: (S, P).
+
+    se_s^2 = sigma_a^2 / S with sigma_a^2 the between-seed variance of the per-seed means minus what the
+    problem x seed noise alone puts there (residual mean square / P, two-way ANOVA by moments, floored at 0):
+    that noise is already in the problem part, and counting it twice made the interval several times too
+    wide at 2 seeds where the seeds do not differ (benchmarks/bench_stats_coverage.py)."""
+    s, p = x.shape
+    if s < 2:
+        return np.zeros(resamples)
+    seed_means = x.mean(1)  # (S,)
+    resid = x - x.mean(0) - seed_means[:, None] + x.mean()  # (S, P) problem x seed interaction + noise
+    noise = float((resid ** 2).sum()) / ((s - 1) * (p - 1))
+    var_a = max(0.0, float(seed_means.var(ddof=1)) - noise / p)
+    return math.sqrt(var_a / s) * rng.standard_t(s - 1, resamples)
+
+
 def hierarchical_bootstrap(method, base, *, resamples: int = RESAMPLES, level: float = LEVEL,
                            seed: int = 0) -> tuple[float, float]:
-    """Percentile interval of mean_i (mean_s method[s, i] - mean_t base[t, i]); problems, method seeds and base
-    seeds resampled independently in each replicate. `method`: (S_m, P), `base`: (S_b, P)."""
+    """Percentile interval of mean_i (mean_s method[s, i] - mean_t base[t, i]): problems resampled, each side's
+    seed part drawn from its Student-t (`_seed_part`). `method`: (S_m, P), `base`: (S_b, P)."""
     m, b = _matrix(method, "method"), _matrix(base, "base")
     if m.shape[1] != b.shape[1]:
         raise DeltalensError(f"paired comparison needs the same problems ({m.shape[1]} vs {b.shape[1]})")
     rng = np.random.default_rng(seed)
-    n_p, s_m, s_b = m.shape[1], m.shape[0], b.shape[0]
-    out = np.empty(resamples)
-    for r in range(resamples):
-        ws = np.bincount(rng.integers(0, s_m, s_m), minlength=s_m) / s_m  # seed weights (S_m,)
-        wt = np.bincount(rng.integers(0, s_b, s_b), minlength=s_b) / s_b
-        d = ws @ m - wt @ b  # (P,) per-problem paired differences for these seeds
-        out[r] = d[rng.integers(0, n_p, n_p)].mean()
+    d = m.mean(0) - b.mean(0)  # (P,) per-problem paired differences, seeds averaged
+    out = d[rng.integers(0, d.size, (resamples, d.size))].mean(1)  # (resamples,) problem part
+    out = out + _seed_part(m, rng, resamples) - _seed_part(b, rng, resamples)
     alpha = (1 - level) / 2
     return float(np.quantile(out, alpha)), float(np.quantile(out, 1 - alpha))
 
@@ -99,23 +115,21 @@ def paired_effect(method, base, *, resamples: int = RESAMPLES, seed: int = 0) ->
 def gain_ratio(method, reference, base, *, resamples: int = RESAMPLES, level: float = LEVEL,
                seed: int = 0) -> tuple[float, tuple[float, float]]:
     """Share of a reference's gain a method keeps: (mean(method) - mean(base)) / (mean(reference) - mean(base)),
-    with a hierarchical percentile interval (problems and each side's seeds resampled). Replicates whose
-    reference gain is not positive are dropped; the interval is (nan, nan) when most are."""
+    with a percentile interval from the same replicates as `hierarchical_bootstrap` (problems resampled, each
+    side's seed part drawn from its Student-t). Replicates whose reference gain is not positive are dropped;
+    the interval is (nan, nan) when most are."""
     a, r, b = _matrix(method, "method"), _matrix(reference, "reference"), _matrix(base, "base")
     if not a.shape[1] == r.shape[1] == b.shape[1]:
         raise DeltalensError("gain_ratio needs the same problems on every side")
     gain = r.mean() - b.mean()
     est = float((a.mean() - b.mean()) / gain) if gain > 0 else float("nan")
     rng = np.random.default_rng(seed)
-    n_p = a.shape[1]
-    vals = []
-    for _ in range(resamples):
-        idx = rng.integers(0, n_p, n_p)
-        pick = [x[rng.integers(0, x.shape[0], x.shape[0])][:, idx].mean() for x in (a, r, b)]
-        if pick[1] - pick[2] > 0:
-            vals.append((pick[0] - pick[2]) / (pick[1] - pick[2]))
-    if len(vals) < resamples / 2:
+    idx = rng.integers(0, a.shape[1], (resamples, a.shape[1]))  # the same problems on every side
+    pa, pr, pb = (x.mean(0)[idx].mean(1) + _seed_part(x, rng, resamples) for x in (a, r, b))
+    ok = pr - pb > 0
+    if ok.sum() < resamples / 2:
         return est, (float("nan"), float("nan"))
+    vals = (pa[ok] - pb[ok]) / (pr[ok] - pb[ok])
     alpha = (1 - level) / 2
     return est, (float(np.quantile(vals, alpha)), float(np.quantile(vals, 1 - alpha)))
 
