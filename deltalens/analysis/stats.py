@@ -6,17 +6,20 @@ is trained with S_m seeds and the base is sampled with S_b evaluation seeds, so 
 
     d_i = mean_s m_method[s, i] - mean_t m_base[t, i]          (paired: the same problem on both sides)
 
-and the effect is mean_i d_i. Two confidence intervals (95%, percentile bootstrap):
-- over problems: problems resampled with replacement, seeds averaged (`scipy.stats.bootstrap`, paired);
-  what one seed can tell about these test problems;
-- over problems and seeds (hierarchical), the interval verdicts use: each replicate resamples the problems
-  (seeds averaged) and adds a draw of each side's seed part, se_s * T with T ~ Student-t(S - 1) and se_s the
-  standard error of the seed effect in the mean (`_seed_part`), so the spread between training runs counts.
-  Why not resample the seeds too: a study has 2-5 seeds, and resampling 2-3 values understates their
-  spread (the bootstrap of n values has variance (n-1)/n of the truth, and no tails beyond [min, max]);
-  the t draw is what a t interval over seeds would give, and with 2 seeds it is wide (t_1: 12.7) as it
-  should be. A side with one seed adds nothing: then the interval is the first one, what one seed can tell
-  about these problems. `ci_problems` beside `ci` in analysis.json shows what the seeds add.
+and the effect is mean_i d_i. Its intervals (95%):
+- over problems: percentile bootstrap, problems resampled with replacement, seeds averaged
+  (`scipy.stats.bootstrap`, paired); what one seed can tell about these test problems;
+- over problems and training seeds (hierarchical), the interval verdicts use: each replicate resamples the
+  problems (seeds averaged) and adds a draw of the method's seed part, se_s * T with T ~ Student-t(S - 1)
+  and se_s the standard error of the training-seed effect in the mean (`_seed_part`), so the spread between
+  training runs counts. Why not resample the seeds too: a study has 2-5 seeds, and resampling 2-3 values
+  understates their spread (the bootstrap of n values has variance (n-1)/n of the truth, and no tails
+  beyond [min, max]); with 2 seeds the t draw is wide (t_1: 12.7), as it should be. The base's seeds are
+  sampling seeds of one fixed model: they cannot shift every problem together, so the base gets no seed
+  part (its sampling noise is in the problem part) unless the other side is a trained method too
+  (`trained_base=True`: ES->GRPO vs GRPO, a sweep point vs the best). A method with one seed adds nothing:
+  then the interval is the first one, what one seed can tell about these problems. `ci_problems` beside
+  `ci` in analysis.json shows what the seeds add.
 - a quantity with one value per training seed (a distance ratio, a top-100 share): Student-t over seeds.
 
 Verdict rule (`verdict`), stated in every report: with the paper's direction +1 (raises) or -1
@@ -36,11 +39,11 @@ from scipy import stats as sps
 from deltalens.errors import DeltalensError
 
 LEVEL = 0.95
-RESAMPLES = 2000
+RESAMPLES = 10_000  # the t_1 draw of 2 seeds is heavy-tailed: its 2.5% quantile has ~6% Monte Carlo error here
 # A bootstrap bound that is mathematically the null comes out as e.g. 4.4e-18 (float sums of per-problem
 # differences; seen in the SmolLM2 study: GRPO vs base, Pass@32, [4.44e-18, 0.213] was called contradicted).
 NULL_TOL = 1e-9
-RULE = ("Each check: reproduced when its 95% interval (bootstrap over test problems, each side's spread over "
+RULE = ("Each check: reproduced when its 95% interval (bootstrap over test problems, with the spread over "
         "training seeds drawn from a Student-t; a t interval over seeds for a value per training seed) lies "
         "entirely on the paper's side of the null (0 for a difference, 1 or 40 for a distance ratio, 0.5 for a "
         "share of a gain), contradicted when it lies entirely on the other side, unclear when it contains the "
@@ -74,17 +77,20 @@ def _seed_part(x: np.ndarray, rng: np.random.Generator, resamples: int) -> np.nd
     return math.sqrt(var_a / s) * rng.standard_t(s - 1, resamples)
 
 
-def hierarchical_bootstrap(method, base, *, resamples: int = RESAMPLES, level: float = LEVEL,
-                           seed: int = 0) -> tuple[float, float]:
-    """Percentile interval of mean_i (mean_s method[s, i] - mean_t base[t, i]): problems resampled, each side's
-    seed part drawn from its Student-t (`_seed_part`). `method`: (S_m, P), `base`: (S_b, P)."""
+def hierarchical_bootstrap(method, base, *, trained_base: bool = False, resamples: int = RESAMPLES,
+                           level: float = LEVEL, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of mean_i (mean_s method[s, i] - mean_t base[t, i]): problems resampled, the
+    method's training-seed part drawn from its Student-t (`_seed_part`), and the base's too when its seeds are
+    training runs (`trained_base`), not sampling seeds of one model. `method`: (S_m, P), `base`: (S_b, P)."""
     m, b = _matrix(method, "method"), _matrix(base, "base")
     if m.shape[1] != b.shape[1]:
         raise DeltalensError(f"paired comparison needs the same problems ({m.shape[1]} vs {b.shape[1]})")
     rng = np.random.default_rng(seed)
     d = m.mean(0) - b.mean(0)  # (P,) per-problem paired differences, seeds averaged
     out = d[rng.integers(0, d.size, (resamples, d.size))].mean(1)  # (resamples,) problem part
-    out = out + _seed_part(m, rng, resamples) - _seed_part(b, rng, resamples)
+    out = out + _seed_part(m, rng, resamples)
+    if trained_base:
+        out = out - _seed_part(b, rng, resamples)
     alpha = (1 - level) / 2
     return float(np.quantile(out, alpha)), float(np.quantile(out, 1 - alpha))
 
@@ -101,23 +107,26 @@ def problem_bootstrap(method, base, *, resamples: int = RESAMPLES, level: float 
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def paired_effect(method, base, *, resamples: int = RESAMPLES, seed: int = 0) -> dict:
-    """The effect of a method on one per-problem metric against the base: estimate and both intervals."""
+def paired_effect(method, base, *, trained_base: bool = False, resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """The effect of a method on one per-problem metric against the base (or, `trained_base`, against another
+    trained method): estimate, each training seed's effect, and both intervals."""
     m, b = _matrix(method, "method"), _matrix(base, "base")
     diff = m.mean(0) - b.mean(0)
     return {"estimate": float(diff.mean()), "method": float(m.mean()), "base": float(b.mean()),
             "per_seed": [float(x) for x in m.mean(1) - b.mean()],  # each training seed's effect: their spread
             "ci_problems": list(problem_bootstrap(m, b, resamples=resamples, seed=seed)),
-            "ci": list(hierarchical_bootstrap(m, b, resamples=resamples, seed=seed)),
+            "ci": list(hierarchical_bootstrap(m, b, trained_base=trained_base, resamples=resamples, seed=seed)),
             "seeds": int(m.shape[0]), "base_seeds": int(b.shape[0]), "problems": int(m.shape[1])}
 
 
 def gain_ratio(method, reference, base, *, resamples: int = RESAMPLES, level: float = LEVEL,
                seed: int = 0) -> tuple[float, tuple[float, float]]:
     """Share of a reference's gain a method keeps: (mean(method) - mean(base)) / (mean(reference) - mean(base)),
-    with a percentile interval from the same replicates as `hierarchical_bootstrap` (problems resampled, each
-    side's seed part drawn from its Student-t). Replicates whose reference gain is not positive are dropped;
-    the interval is (nan, nan) when most are."""
+    with a percentile interval from the same replicates as `hierarchical_bootstrap` (problems resampled; the
+    method's and the reference's training-seed parts drawn from their Student-t; the base, sampling seeds of
+    one model, none). Replicates whose reference gain is not positive are dropped, so the interval is
+    conditional on a positive gain, and it is (nan, nan) when most are. With 2-3 seeds the t draws enter
+    the denominator and the interval is wide (a width of several units is usual): a share needs seeds."""
     a, r, b = _matrix(method, "method"), _matrix(reference, "reference"), _matrix(base, "base")
     if not a.shape[1] == r.shape[1] == b.shape[1]:
         raise DeltalensError("gain_ratio needs the same problems on every side")
@@ -125,7 +134,8 @@ def gain_ratio(method, reference, base, *, resamples: int = RESAMPLES, level: fl
     est = float((a.mean() - b.mean()) / gain) if gain > 0 else float("nan")
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, a.shape[1], (resamples, a.shape[1]))  # the same problems on every side
-    pa, pr, pb = (x.mean(0)[idx].mean(1) + _seed_part(x, rng, resamples) for x in (a, r, b))
+    pa, pr = (x.mean(0)[idx].mean(1) + _seed_part(x, rng, resamples) for x in (a, r))
+    pb = b.mean(0)[idx].mean(1)
     ok = pr - pb > 0
     if ok.sum() < resamples / 2:
         return est, (float("nan"), float("nan"))

@@ -43,7 +43,7 @@ class StudyConfig(Config):
     chat_template: str = option("auto", "prompts through the tokenizer's chat template: auto, on, off")
     backend: str = option("hf", "backend of the Pass@K and sparsity evaluations: hf, or vllm (docs/vllm.md); "
                           "training, entropy and diversity always run on HF")
-    resamples: int = option(2000, "bootstrap resamples of every interval")
+    resamples: int = option(10000, "bootstrap resamples of every interval (heavy-tailed t draws at 2 seeds need many)")
 
     def __post_init__(self):
         self.methods, self.seeds, self.ks = tuple(self.methods), tuple(self.seeds), tuple(sorted(set(self.ks)))

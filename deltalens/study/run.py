@@ -331,7 +331,7 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
                 if other in by_method:
                     a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", kmax)
                     b = matrix([run_evals[r["label"]] for r in by_method[other]], "pass", kmax)
-                    e = stats.paired_effect(a, b, resamples=R)
+                    e = stats.paired_effect(a, b, trained_base=True, resamples=R)
                     checks.append(_check(5, f"es-grpo vs {other}, Pass@{kmax}", "es-grpo", f"pass@{kmax}", e["estimate"],
                                          e["ci"], +1, per_seed=e["per_seed"]))
             if "grpo" in by_method:
@@ -395,7 +395,7 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
                     checks.append(_check(6, "grpo vs base, token entropy", "grpo", "entropy", e["estimate"], e["ci"], -1,
                                          per_seed=e["per_seed"]))
         if "es" in ent and "grpo" in ent:
-            e = stats.paired_effect(ent["es"], ent["grpo"], resamples=R)
+            e = stats.paired_effect(ent["es"], ent["grpo"], trained_base=True, resamples=R)
             checks.append(_check(6, "token entropy, es minus grpo", "es", "entropy", e["estimate"], e["ci"], +1,
                                  per_seed=e["per_seed"]))
 

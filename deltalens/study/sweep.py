@@ -206,7 +206,7 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
         if p is best:
             p["vs_best"], p["vs_best_ci"], p["within_noise_of_best"] = 0.0, [0.0, 0.0], True
         else:
-            e = stats.paired_effect(p["_m"], best["_m"])
+            e = stats.paired_effect(p["_m"], best["_m"], trained_base=True)
             p["vs_best"], p["vs_best_ci"] = e["estimate"], e["ci"]
             p["within_noise_of_best"] = bool(e["ci"][0] <= 0 <= e["ci"][1])
     for p in points:

@@ -45,8 +45,33 @@ def test_two_seeds_that_disagree_give_the_t_interval_over_seeds():
     # a * t_1 quantiles = +-12.706 a (Monte Carlo over 20000 replicates: ~4%)
     a = 0.01
     method = np.stack([np.full(50, 0.5 + a), np.full(50, 0.5 - a)])
-    lo, hi = stats.hierarchical_bootstrap(method, np.full((1, 50), 0.5), resamples=20000)
-    assert lo == pytest.approx(-12.706 * a, rel=0.1) and hi == pytest.approx(12.706 * a, rel=0.1)
+    lo, hi = stats.hierarchical_bootstrap(method, np.full((1, 50), 0.5), resamples=200_000)
+    assert lo == pytest.approx(-12.706 * a, rel=0.05) and hi == pytest.approx(12.706 * a, rel=0.05)  # MC ~1.4%
+
+
+def test_the_base_sampling_seeds_get_no_seed_part_unless_the_base_is_trained():
+    # the base's seeds at +a and -a on every problem, the method (one seed) 0.1 above their mean everywhere
+    a = 0.01
+    base = np.stack([np.full(50, 0.5 + a), np.full(50, 0.5 - a)])
+    method = np.full((1, 50), 0.6)
+    assert stats.hierarchical_bootstrap(method, base) == pytest.approx((0.1, 0.1))  # sampling seeds: no shift
+    lo, hi = stats.hierarchical_bootstrap(method, base, trained_base=True, resamples=200_000)  # two training runs
+    assert 0.1 - lo == pytest.approx(12.706 * a, rel=0.05) and hi - 0.1 == pytest.approx(12.706 * a, rel=0.05)
+    assert stats.paired_effect(method, base, trained_base=True)["ci"][0] < 0
+
+
+def test_seeds_that_do_not_differ_add_little_width():
+    # 2 seeds whose per-problem noise (sd 0.2) is the only difference: the ANOVA step takes that noise out of
+    # the seed part (it is in the problem part already); counting it twice made the median width 3.7x
+    rng = np.random.default_rng(2)
+    ratios = []
+    for t in range(100):
+        b_i = rng.random(100)
+        base, method = b_i + rng.normal(0, 0.2, (3, 100)), b_i + 0.03 + rng.normal(0, 0.2, (2, 100))
+        lo, hi = stats.hierarchical_bootstrap(method, base, resamples=500, seed=t)
+        plo, phi = stats.problem_bootstrap(method, base, resamples=500, seed=t)
+        ratios.append((hi - lo) / (phi - plo))
+    assert np.median(ratios) < 1.5
 
 
 @pytest.mark.parametrize("n_seeds", [2, 3])
@@ -130,5 +155,9 @@ def test_gain_ratio_known_answer():
     est, ci = stats.gain_ratio(np.full((2, 200), 0.3), ref, base, resamples=300)
     assert est == pytest.approx(0.75) and ci == pytest.approx((0.75, 0.75))
     assert stats.verdict(ci, +1, null=0.5) == "reproduced"
+    # two runs of the reference at 0.3 and 0.5: its seed part widens the share's interval (t_1)
+    est, ci = stats.gain_ratio(np.full((1, 200), 0.3), np.stack([np.full(200, 0.3), np.full(200, 0.5)]), base,
+                               resamples=2000)
+    assert est == pytest.approx(0.75) and ci[0] < 0.5 and ci[1] > 1.0
     est, ci = stats.gain_ratio(np.full((1, 200), 0.3), base, base, resamples=300)  # no gain to keep a share of
     assert np.isnan(est) and stats.verdict(ci, +1, null=0.5) == "unclear"
