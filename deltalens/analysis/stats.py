@@ -77,11 +77,13 @@ def _seed_part(x: np.ndarray, rng: np.random.Generator, resamples: int) -> np.nd
     return math.sqrt(var_a / s) * rng.standard_t(s - 1, resamples)
 
 
-def hierarchical_bootstrap(method, base, *, trained_base: bool = False, resamples: int = RESAMPLES,
-                           level: float = LEVEL, seed: int = 0) -> tuple[float, float]:
+def hierarchical_bootstrap(method, base, *, trained_base: bool = False, span: float | None = None,
+                           resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0) -> tuple[float, float]:
     """Percentile interval of mean_i (mean_s method[s, i] - mean_t base[t, i]): problems resampled, the
     method's training-seed part drawn from its Student-t (`_seed_part`), and the base's too when its seeds are
-    training runs (`trained_base`), not sampling seeds of one model. `method`: (S_m, P), `base`: (S_b, P)."""
+    training runs (`trained_base`), not sampling seeds of one model. `method`: (S_m, P), `base`: (S_b, P).
+    `span`: the largest |difference| the metric allows (1 for a share of problems solved); the t draw is
+    unbounded, so with 2 seeds that disagree its replicates can pass it, and they are clipped to +-span."""
     m, b = _matrix(method, "method"), _matrix(base, "base")
     if m.shape[1] != b.shape[1]:
         raise DeltalensError(f"paired comparison needs the same problems ({m.shape[1]} vs {b.shape[1]})")
@@ -91,6 +93,8 @@ def hierarchical_bootstrap(method, base, *, trained_base: bool = False, resample
     out = out + _seed_part(m, rng, resamples)
     if trained_base:
         out = out - _seed_part(b, rng, resamples)
+    if span is not None:
+        out = np.clip(out, -span, span)
     alpha = (1 - level) / 2
     return float(np.quantile(out, alpha)), float(np.quantile(out, 1 - alpha))
 
@@ -107,15 +111,18 @@ def problem_bootstrap(method, base, *, resamples: int = RESAMPLES, level: float 
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def paired_effect(method, base, *, trained_base: bool = False, resamples: int = RESAMPLES, seed: int = 0) -> dict:
+def paired_effect(method, base, *, trained_base: bool = False, span: float | None = None,
+                  resamples: int = RESAMPLES, seed: int = 0) -> dict:
     """The effect of a method on one per-problem metric against the base (or, `trained_base`, against another
-    trained method): estimate, each training seed's effect, and both intervals."""
+    trained method): estimate, each training seed's effect, and both intervals (`span`: see
+    `hierarchical_bootstrap`)."""
     m, b = _matrix(method, "method"), _matrix(base, "base")
     diff = m.mean(0) - b.mean(0)
     return {"estimate": float(diff.mean()), "method": float(m.mean()), "base": float(b.mean()),
             "per_seed": [float(x) for x in m.mean(1) - b.mean()],  # each training seed's effect: their spread
             "ci_problems": list(problem_bootstrap(m, b, resamples=resamples, seed=seed)),
-            "ci": list(hierarchical_bootstrap(m, b, trained_base=trained_base, resamples=resamples, seed=seed)),
+            "ci": list(hierarchical_bootstrap(m, b, trained_base=trained_base, span=span, resamples=resamples,
+                                              seed=seed)),
             "seeds": int(m.shape[0]), "base_seeds": int(b.shape[0]), "problems": int(m.shape[1])}
 
 

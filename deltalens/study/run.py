@@ -317,7 +317,8 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
             for metric, ks in (("pass", cfg.ks), ("maj", [k for k in cfg.ks if k > 1])):  # Maj@1 = Pass@1
                 for k in ks:
                     effects[(meth, metric, k)] = stats.paired_effect(matrix(evs, metric, k),
-                                                                     matrix(base_evals, metric, k), resamples=R)
+                                                                     matrix(base_evals, metric, k), span=1.0,
+                                                                     resamples=R)
         k_hi = [k for k in cfg.ks if k > 1]
         for meth, want in (("grpo", {1: +1, **{k: -1 for k in k_hi}}), ("es", {k: +1 for k in cfg.ks})):
             if meth in by_method:
@@ -331,7 +332,7 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
                 if other in by_method:
                     a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", kmax)
                     b = matrix([run_evals[r["label"]] for r in by_method[other]], "pass", kmax)
-                    e = stats.paired_effect(a, b, trained_base=True, resamples=R)
+                    e = stats.paired_effect(a, b, trained_base=True, span=1.0, resamples=R)
                     checks.append(_check(5, f"es-grpo vs {other}, Pass@{kmax}", "es-grpo", f"pass@{kmax}", e["estimate"],
                                          e["ci"], +1, per_seed=e["per_seed"]))
             if "grpo" in by_method:

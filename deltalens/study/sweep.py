@@ -192,7 +192,7 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
     for name in dict.fromkeys(r["name"] for r in runs):
         mine = [r for r in runs if r["name"] == name]
         m = [pass1(finals[(name, r["seed"])]) for r in mine]
-        eff = stats.paired_effect(m, [base_p1])
+        eff = stats.paired_effect(m, [base_p1], span=1.0)
         logs = [RunDir(r["dir"]).metrics() for r in mine]
         rewards = [[row["reward_mean"] for row in lg if "reward_mean" in row] for lg in logs]
         points.append({"name": name, "values": mine[0]["point"], "seeds": [r["seed"] for r in mine],
@@ -206,7 +206,7 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
         if p is best:
             p["vs_best"], p["vs_best_ci"], p["within_noise_of_best"] = 0.0, [0.0, 0.0], True
         else:
-            e = stats.paired_effect(p["_m"], best["_m"], trained_base=True)
+            e = stats.paired_effect(p["_m"], best["_m"], trained_base=True, span=1.0)
             p["vs_best"], p["vs_best_ci"] = e["estimate"], e["ci"]
             p["within_noise_of_best"] = bool(e["ci"][0] <= 0 <= e["ci"][1])
     for p in points:

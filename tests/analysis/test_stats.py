@@ -49,6 +49,16 @@ def test_two_seeds_that_disagree_give_the_t_interval_over_seeds():
     assert lo == pytest.approx(-12.706 * a, rel=0.05) and hi == pytest.approx(12.706 * a, rel=0.05)  # MC ~1.4%
 
 
+def test_span_clips_an_interval_the_metric_cannot_reach():
+    # two seeds at 0.1 and 0.9 on every problem against a base at 0.1: t_1 reaches far past +-1
+    method = np.stack([np.full(40, 0.1), np.full(40, 0.9)])
+    base = np.full((1, 40), 0.1)
+    lo, hi = stats.hierarchical_bootstrap(method, base)
+    assert lo < -1 and hi > 1
+    assert stats.hierarchical_bootstrap(method, base, span=1.0) == (-1.0, 1.0)
+    assert stats.paired_effect(method, base, span=1.0)["ci"] == [-1.0, 1.0]
+
+
 def test_the_base_sampling_seeds_get_no_seed_part_unless_the_base_is_trained():
     # the base's seeds at +a and -a on every problem, the method (one seed) 0.1 above their mean everywhere
     a = 0.01
