@@ -41,8 +41,8 @@ def sparsity_keeping_gain(sp: dict, threshold: float = GAIN_THRESHOLD, k: str = 
     """The largest sparsity that still keeps `threshold` of the Pass@k gain, linearly interpolated.
 
     Returns (value, qualifier): qualifier '≈' (interpolated between two tested sparsities, shown as '≈60%'),
-    '≥' (every tested point kept the gain: the
-    value is the largest tested sparsity), or a reason with value None ('no gain', 'no points').
+    '≥' (every tested point kept the gain: the value is the largest tested sparsity), or a reason with value
+    None ('no gain', 'no points').
     Walks up from the full model (sparsity 0, all gain) and stops at the first point below the threshold,
     so a noisy curve that dips and recovers reports the conservative (first) crossing.
     """
