@@ -1,6 +1,7 @@
 """Does "ES changes norm weights most" come from the arithmetic rather than from learning? A reward-free replay.
 
     python examples/10_arithmetic_replay.py --model smollm2 --iterations 5     # ~16 min on 2 CPU cores (940 s, 2026-12-01)
+    python examples/10_arithmetic_replay.py --model smollm2 --iterations 5 --norm-scale 1 --out replay-n1
     python examples/10_arithmetic_replay.py --quick                            # seconds (tests; tiny)
 
 No generation and no reward: every iteration draws the population at the paper's settings (N=32,
@@ -17,6 +18,16 @@ parameter group, and the restore drift (how far the weights are from where they 
 members of an iteration were perturbed and restored, before the update). Hypothesis under test
 (arXiv 2608.27351's "ES's top changes sit in norm weights"): the bf16 restore drift and the correlated
 noise, not learning, put the norm weights on top. Writes <out>/10_arithmetic_replay.json.
+
+`--norm-scale M` first reparametrizes the model, without changing its function, so that every RMSNorm
+weight vector has median |g| = M: each decoder layer's norm weight g is multiplied by c = M / median|g|
+and the input columns of the matrices that read its output (q/k/v after input_layernorm, gate/up after
+post_attention_layernorm) are divided by c, since RMSNorm(x) * g * c fed to W / c gives the same product.
+The final norm is folded into the LM head only when the head is not tied to the embedding (SmolLM2's is
+tied: its final norm stays as it is). The drift mechanism under test scales with |θ| (one bf16 step is
+proportional to the weight), and SmolLM2's norm weights are small (median 0.27); M = 1 puts them where
+Qwen2.5 / Llama norm weights sit, beside matrices that shrink by the same c. The script checks that the
+logits did not change (fp32, one prompt) and records the check.
 """
 
 from __future__ import annotations
@@ -32,14 +43,79 @@ ARITHMETICS = {"ours-fp32": ("deltalens", "fp32"), "ours-bf16": ("deltalens", "b
                "ref-fp32": ("reference", "fp32"), "ref-bf16": ("reference", "bf16")}
 
 
-def replay(model_spec: str, arithmetic: str, dtype: str, iterations: int, population: int, seed: int) -> dict:
-    from deltalens.analysis.delta import diff_checkpoints
+# Which matrices read each RMSNorm's output (Llama / Qwen2 / SmolLM2 layout).
+NORM_CONSUMERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                  "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fold_norm_scale(model, median: float) -> dict:
+    """Scale every norm weight to the given median |g| and divide its consumers' input columns by the
+    same factor (in place, fp32). Returns per-norm factors and the median |g| before and after."""
+    import torch
+
+    from deltalens.errors import DeltalensError
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise DeltalensError("--norm-scale needs a Llama-style model (model.model.layers)")
+    factors, before = [], []
+    with torch.no_grad():
+        for layer in layers:
+            for norm_name, consumers in NORM_CONSUMERS.items():
+                g = layer.get_submodule(norm_name).weight
+                m = float(g.abs().median())
+                if not m > 0:
+                    raise DeltalensError(f"--norm-scale: {norm_name} has median |g| {m}, cannot rescale")
+                c = median / m
+                g.mul_(c)
+                for name in consumers:
+                    layer.get_submodule(name).weight.div_(c)  # (out, in): column j reads g_j
+                factors.append(c)
+                before.append(m)
+        final = model.model.norm.weight
+        tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        final_factor = 1.0
+        if not tied:
+            final_factor = median / float(final.abs().median())
+            final.mul_(final_factor)
+            model.lm_head.weight.div_(final_factor)
+    return {"median": median, "factor_min": min(factors), "factor_max": max(factors),
+            "median_before_min": min(before), "median_before_max": max(before),
+            "final_norm_folded": not tied, "final_norm_factor": final_factor}
+
+
+def load_replay_model(model_spec: str, dtype: str, norm_scale: float | None):
+    """The model to replay on, in `dtype`; with `norm_scale`, reparametrized in fp32 first (then cast), and
+    the logits checked against the original's."""
+    import torch
+
     from deltalens.io.models import load_model
+
+    if norm_scale is None:
+        model, tok = load_model(model_spec, dtype=dtype)
+        return model, tok, None
+    model, tok = load_model(model_spec, dtype="fp32")
+    ids = tok("12+7=19. 3+45=", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = model(ids).logits
+        info = fold_norm_scale(model, norm_scale)
+        new = model(ids).logits
+    info["logits_max_rel_diff"] = float((new - ref).abs().max() / ref.abs().max())
+    if not info["logits_max_rel_diff"] < 1e-4:
+        raise RuntimeError(f"--norm-scale changed the model's function: {info['logits_max_rel_diff']:.2e}")
+    if dtype != "fp32":
+        model.to(torch.bfloat16)
+    return model, tok, info
+
+
+def replay(model_spec: str, arithmetic: str, dtype: str, iterations: int, population: int, seed: int,
+           norm_scale: float | None = None) -> dict:
+    from deltalens.analysis.delta import diff_checkpoints
     from deltalens.tasks import get_task
     from deltalens.training.es.config import ESConfig
     from deltalens.training.es.engine import ESEngine, new_timing
 
-    model, tok = load_model(model_spec, dtype=dtype)
+    model, tok, folded = load_replay_model(model_spec, dtype, norm_scale)
     base = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = ESConfig(population=population, sigma=1.5e-3, alpha=2.5e-4, arithmetic=arithmetic, seed=seed,
                    restore="subtract" if arithmetic == "reference" else "copy", dtype=dtype, prompts_per_iteration=1)
@@ -67,21 +143,26 @@ def replay(model_spec: str, arithmetic: str, dtype: str, iterations: int, popula
     return {"arithmetic": arithmetic, "dtype": dtype, "iterations": iterations, "population": population,
             "restore_drift_max": drift_max, "restore_drift_frac": drift_frac,
             "top_abs": d["topk"]["abs"]["composition"], "top_rel": d["topk"]["rel"]["composition"],
-            "rel_l2": {g: m["rel_l2"] for g, m in d["groups"].items()}, "whole_rel_l2": d["whole"]["rel_l2"]}
+            "rel_l2": {g: m["rel_l2"] for g, m in d["groups"].items()}, "whole_rel_l2": d["whole"]["rel_l2"],
+            "norm_scale": folded}
 
 
 def main(argv=None) -> dict:
     ap = C.parser(__doc__, seeds="0")
     ap.add_argument("--iterations", type=int, default=None, help="replayed iterations (default 5, quick 1)")
     ap.add_argument("--population", type=int, default=None, help="members per iteration (default 32, quick 4)")
+    ap.add_argument("--norm-scale", type=float, default=None, metavar="M",
+                    help="first reparametrize the model (same function) so every norm weight has median |g| M")
     args = ap.parse_args(argv)
+    if args.norm_scale is not None and not args.norm_scale > 0:
+        ap.error(f"--norm-scale must be > 0, got {args.norm_scale}")
     iterations = args.iterations or (1 if args.quick else 5)
     population = args.population or (4 if args.quick else 32)
     seed = C.seeds_of(args)[0]
     results = {}
     for name, (arithmetic, dtype) in ARITHMETICS.items():
         print(f"{name}: {iterations} iterations x {population} members", flush=True)
-        results[name] = replay(args.model, arithmetic, dtype, iterations, population, seed)
+        results[name] = replay(args.model, arithmetic, dtype, iterations, population, seed, args.norm_scale)
     groups = sorted({g for r in results.values() for g in (*r["top_abs"], *r["top_rel"])})
     rows = [[name, f"{r['restore_drift_max']:.2e}", f"{r['restore_drift_frac']:.2f}",
              *[str(r["top_abs"].get(g, 0)) for g in groups], *[str(r["top_rel"].get(g, 0)) for g in groups]]
@@ -91,7 +172,7 @@ def main(argv=None) -> dict:
     md = "\n".join(["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
                    + ["| " + " | ".join(r) + " |" for r in rows])
     result = {"model": args.model, "iterations": iterations, "population": population, "seed": seed,
-              "results": results}
+              "norm_scale": args.norm_scale, "results": results}
     C.save(args.out, "10_arithmetic_replay", result, md)
     return result
 

@@ -98,3 +98,31 @@ def test_10_arithmetic_replay(dirs):
     assert r["ours-fp32"]["restore_drift_max"] == 0.0 and r["ours-bf16"]["restore_drift_max"] == 0.0  # exact
     assert r["ref-bf16"]["restore_drift_max"] > 1e-3  # subtraction in bf16 leaves weights off by a bf16 step
     assert all(sum(x["top_abs"].values()) == 100 for x in r.values())
+
+
+def test_10_norm_scale_keeps_the_function_and_moves_the_norms():
+    """--norm-scale: norm weights reach the asked median, consumers shrink by the same factor, logits stay."""
+    import torch
+
+    from deltalens.io.models import load_model
+
+    mod = load("10_arithmetic_replay.py")
+    model, tok = load_model("tiny")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = tok("12+7=19. 3+45=", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = model(ids).logits
+        info = mod.fold_norm_scale(model, 4.0)
+        new = model(ids).logits
+    after = model.state_dict()
+    g0, g1 = before["model.layers.1.input_layernorm.weight"], after["model.layers.1.input_layernorm.weight"]
+    c = float(g1[0] / g0[0])
+    assert float(g1.abs().median()) == pytest.approx(4.0, rel=1e-5)
+    assert torch.allclose(after["model.layers.1.self_attn.k_proj.weight"] * c,
+                          before["model.layers.1.self_attn.k_proj.weight"], rtol=1e-5, atol=1e-7)
+    assert torch.equal(after["model.layers.1.self_attn.o_proj.weight"], before["model.layers.1.self_attn.o_proj.weight"])
+    assert info["final_norm_folded"] and 3.0 < info["factor_min"] <= info["factor_max"] < 5.0
+    assert torch.allclose(new, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--quick", "--norm-scale", "0"])
+    assert e.value.code == 2
