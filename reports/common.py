@@ -103,6 +103,11 @@ def fmt_ci(lo: Any, hi: Any, missing: str = "—") -> str:
     return missing if lo is None or hi is None else f"[{fmt_g(lo)}, {fmt_g(hi)}]"
 
 
+# What the "per seed" column of a verdict table holds (Markdown and HTML say the same).
+PER_SEED_NOTE = ("Per seed: the check's value for each training seed of the method; where it compares with the base "
+                 "or with another trained method, each seed is compared with the other side's mean over its seeds.")
+
+
 def per_seed_text(check: dict) -> str:
     """A verdict check's value for each training seed ("0.12, 0.15"), so that the spread behind an interval
     over 2-5 seeds is visible; empty for a check with one value (or none) per seed."""

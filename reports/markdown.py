@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import as_dict, as_list, fmt_ci, fmt_g, num, per_seed_text
+from .common import PER_SEED_NOTE, as_dict, as_list, fmt_ci, fmt_g, num, per_seed_text
 
 
 def _ci(lo: Any, hi: Any) -> str:
@@ -87,6 +87,7 @@ def study_markdown(analysis: dict) -> str:
                    "over problems and seeds):"), "", *eff, ""]
     if study.get("rule"):
         lines += [f"Verdict rule: {study['rule']}", ""]
+    lines += [PER_SEED_NOTE, ""]
     lines += claims_table(study)
     return "\n".join(lines) + "\n"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .common import (
+    PER_SEED_NOTE,
     Context,
     as_dict,
     as_list,
@@ -149,6 +150,7 @@ def claims_table(ctx: Context) -> str | None:
     head = "".join(f"<th>{h}</th>" for h in ("Check", "Estimate", "Per training seed", "95% interval",
                                              "Paper's direction", "Verdict"))
     rule = f'<p class="caption">{esc(study.get("rule"))}</p>' if study.get("rule") else ""
+    rule += f'<p class="caption">{esc(PER_SEED_NOTE)}</p>'
     return f'{rule}<table class="data"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 

@@ -40,6 +40,7 @@ def test_study_markdown_known_table():
     assert "|  | grpo vs base, Pass@1 | 0.1 | 0.09, 0.11 | [0.08, 0.12] | + vs 0 | reproduced |" in md
     assert "|  | grpo vs base, Pass@16 | 0.03 |  | undefined | - vs 0 | unclear |" in md
     assert any(x.startswith("Verdict rule: reproduced = ") for x in md)
+    assert any(x.startswith("Per seed: the check's value for each training seed") for x in md)  # says what it holds
 
 
 def test_study_markdown_without_effects():
