@@ -1,7 +1,7 @@
 """Does "ES changes norm weights most" come from the arithmetic rather than from learning? A reward-free replay.
 
     python examples/10_arithmetic_replay.py --model smollm2 --iterations 5     # ~16 min on 2 CPU cores (940 s, 2026-12-01)
-    python examples/10_arithmetic_replay.py --model smollm2 --iterations 5 --norm-scale 1 --out replay-n1
+    python examples/10_arithmetic_replay.py --model smollm2 --iterations 5 --norm-scale 1   # 16 min, 1 core (2026-12-01)
     python examples/10_arithmetic_replay.py --quick                            # seconds (tests; tiny)
 
 No generation and no reward: every iteration draws the population at the paper's settings (N=32,
@@ -50,7 +50,7 @@ NORM_CONSUMERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "s
 
 def fold_norm_scale(model, median: float) -> dict:
     """Scale every norm weight to the given median |g| and divide its consumers' input columns by the
-    same factor (in place, fp32). Returns per-norm factors and the median |g| before and after."""
+    same factor (in place, fp32). Returns the range of the factors and of the norms' median |g| before."""
     import torch
 
     from deltalens.errors import DeltalensError
@@ -58,25 +58,28 @@ def fold_norm_scale(model, median: float) -> dict:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise DeltalensError("--norm-scale needs a Llama-style model (model.model.layers)")
+    def factor(name: str, g) -> float:
+        m = float(g.abs().median())
+        if not m > 0:
+            raise DeltalensError(f"--norm-scale: {name} has median |g| {m}, cannot rescale")
+        return median / m
+
     factors, before = [], []
     with torch.no_grad():
         for layer in layers:
             for norm_name, consumers in NORM_CONSUMERS.items():
                 g = layer.get_submodule(norm_name).weight
-                m = float(g.abs().median())
-                if not m > 0:
-                    raise DeltalensError(f"--norm-scale: {norm_name} has median |g| {m}, cannot rescale")
-                c = median / m
+                c = factor(norm_name, g)
+                before.append(median / c)
                 g.mul_(c)
                 for name in consumers:
                     layer.get_submodule(name).weight.div_(c)  # (out, in): column j reads g_j
                 factors.append(c)
-                before.append(m)
         final = model.model.norm.weight
         tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         final_factor = 1.0
         if not tied:
-            final_factor = median / float(final.abs().median())
+            final_factor = factor("model.norm", final)
             final.mul_(final_factor)
             model.lm_head.weight.div_(final_factor)
     return {"median": median, "factor_min": min(factors), "factor_max": max(factors),
