@@ -58,19 +58,20 @@ def fold_norm_scale(model, median: float) -> dict:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise DeltalensError("--norm-scale needs a Llama-style model (model.model.layers)")
-    def factor(name: str, g) -> float:
+
+    def median_abs(name: str, g) -> float:
         m = float(g.abs().median())
         if not m > 0:
             raise DeltalensError(f"--norm-scale: {name} has median |g| {m}, cannot rescale")
-        return median / m
+        return m
 
     factors, before = [], []
     with torch.no_grad():
         for layer in layers:
             for norm_name, consumers in NORM_CONSUMERS.items():
                 g = layer.get_submodule(norm_name).weight
-                c = factor(norm_name, g)
-                before.append(median / c)
+                before.append(median_abs(norm_name, g))
+                c = median / before[-1]
                 g.mul_(c)
                 for name in consumers:
                     layer.get_submodule(name).weight.div_(c)  # (out, in): column j reads g_j
@@ -79,7 +80,7 @@ def fold_norm_scale(model, median: float) -> dict:
         tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         final_factor = 1.0
         if not tied:
-            final_factor = factor("model.norm", final)
+            final_factor = median / median_abs("model.norm", final)
             final.mul_(final_factor)
             model.lm_head.weight.div_(final_factor)
     return {"median": median, "factor_min": min(factors), "factor_max": max(factors),
