@@ -1,9 +1,15 @@
-"""Shared helpers: escaping, number formatting, labels, colours. Pure Python; no plotly, no torch."""
+"""Shared helpers: escaping, number formatting, labels, colours, methods. Pure Python; no plotly, no torch.
+
+Colours: one hue per training method (es blue, grpo orange, es-grpo green, others after), and for a method
+trained with several seeds one shade of that hue per seed (darker to lighter in seed order), so a study's
+nine runs read as three families. A model without a method is a family of its own.
+"""
 
 from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,6 +24,9 @@ GROUP_COLORS = {
 EXTRA_GROUP_COLORS = ["#d37295", "#fabfd2", "#86bcb6", "#79706e", "#bab0ac", "#d4a6c8"]
 BASE_COLOR = "#8a9099"
 MODEL_COLORS = ["#2563eb", "#e8590c", "#0f9d76", "#9333ea", "#d6336c", "#ca8a04", "#0891b2", "#4d7c0f"]
+# The methods deltalens trains keep their hue in every report; other methods take the remaining ones in order.
+METHOD_HUES = {"es": "#2563eb", "grpo": "#e8590c", "es-grpo": "#0f9d76", "grpo-es": "#9333ea"}
+_SEED_RE = re.compile(r"^(.*)-s(\d+)$")
 
 
 def esc(value: Any) -> str:
@@ -63,6 +72,21 @@ def group_color(group: str, extra_index: dict[str, int]) -> str:
         return GROUP_COLORS[group]
     i = extra_index.setdefault(group, len(extra_index))
     return EXTRA_GROUP_COLORS[i % len(EXTRA_GROUP_COLORS)]
+
+
+def shade(hex_color: str, t: float) -> str:
+    """`hex_color` mixed towards black (t < 0) or white (t > 0); t in [-1, 1]."""
+    h = hex_color.lstrip("#")
+    rgb = [int(h[i:i + 2], 16) for i in (0, 2, 4)]
+    target = 255 if t > 0 else 0
+    return "#" + "".join(f"{round(c + (target - c) * abs(t)):02x}" for c in rgb)
+
+
+def seed_shades(hex_color: str, n: int) -> list[str]:
+    """n shades of one hue, darker to lighter; the hue itself for one."""
+    if n <= 1:
+        return [hex_color] * n
+    return [shade(hex_color, -0.3 + 0.75 * i / (n - 1)) for i in range(n)]
 
 
 def rgba(hex_color: str, alpha: float) -> str:
@@ -147,9 +171,47 @@ class Context:
                 if not self.is_base(key) and key not in labels:
                     labels.append(key)
         self.models = labels
-        self.colors = {label: MODEL_COLORS[i % len(MODEL_COLORS)] for i, label in enumerate(labels)}
+        # method -> its labels in order (a model without a method is a family of its own, keyed by its label)
+        self.methods: dict[str, list[str]] = {}
+        for label in labels:
+            self.methods.setdefault(self.method_of(label), []).append(label)
+        free = [c for c in MODEL_COLORS if c not in METHOD_HUES.values()]
+        self.method_colors: dict[str, str] = {}
+        for method in self.methods:
+            if method in METHOD_HUES:
+                self.method_colors[method] = METHOD_HUES[method]
+            else:
+                self.method_colors[method] = (free or MODEL_COLORS)[
+                    len([m for m in self.method_colors if m not in METHOD_HUES]) % len(free or MODEL_COLORS)]
+        self.colors = {}
+        for method, members in self.methods.items():
+            self.colors.update(zip(members, seed_shades(self.method_colors[method], len(members))))
         self.colors.setdefault("base", BASE_COLOR)
         self.colors[self.base_label] = BASE_COLOR
+
+    def method_of(self, label: str) -> str:
+        """The training method of a model (models[].method, else its training section's), else the label."""
+        method = self.model_info.get(label, {}).get("method")
+        if not method:
+            method = as_dict(as_dict(self.analysis.get("training")).get(label)).get("method")
+        return str(method) if method else label
+
+    def seed_of(self, label: str) -> str | None:
+        """The training seed of a model: the study's runs[].seed, else a `-s<N>` label suffix."""
+        for r in as_list(as_dict(self.analysis.get("study")).get("runs")):
+            if isinstance(r, dict) and r.get("label") == label and r.get("seed") is not None:
+                return str(r["seed"])
+        m = _SEED_RE.match(label)
+        return m.group(2) if m and m.group(1) == self.method_of(label) else None
+
+    @property
+    def multi_seed(self) -> bool:
+        """Whether some method has several runs (a study): figures then draw a mean per method."""
+        return any(len(v) > 1 for v in self.methods.values())
+
+    def method_name(self, method: str) -> str:
+        n = len(self.methods.get(method, []))
+        return f"{method} (mean of {n} seeds)" if n > 1 else method
 
     def is_base(self, key: str) -> bool:
         return key in ("base", self.base_label) and key not in self.model_info

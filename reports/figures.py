@@ -28,7 +28,7 @@ from .common import (
     rgba,
     sort_ks,
 )
-from .metrics import GAIN_THRESHOLD, gain_curve, layer_grid, sparsity_keeping_gain
+from .metrics import GAIN_THRESHOLD, gain_curve, layer_grid, mean_band, passk_interval, sparsity_keeping_gain
 
 FONT = ('-apple-system, BlinkMacSystemFont, "Segoe UI", Roboto, "Helvetica Neue", Arial, "Noto Sans", '
         'sans-serif')
@@ -96,63 +96,150 @@ def _settings_line(ev: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------- Pass@K
+def _eval_curve(ev: dict) -> tuple[list[float], list[float | None], list[float | None]]:
+    """(ks, Pass@K, Maj@K) of one evaluation: its full curve, else the requested ks only."""
+    curve = as_dict(ev.get("curve"))
+    ks = [num(k) for k in as_list(curve.get("k"))]
+    if ks and all(k is not None for k in ks):
+        p = [num(v) for v in as_list(curve.get("pass"))]
+        m = [num(v) for v in as_list(curve.get("maj"))]
+    else:
+        keys = sort_ks(as_dict(ev.get("pass_at_k")))
+        ks = [num(k) for k in keys]
+        keep = [j for j, k in enumerate(ks) if k is not None]
+        ks = [ks[j] for j in keep]
+        p = [num(as_dict(ev.get("pass_at_k")).get(keys[j])) for j in keep]
+        m = [num(as_dict(ev.get("maj_at_k")).get(keys[j])) for j in keep]
+    n = len(ks)
+    return ks, (p + [None] * n)[:n], (m + [None] * n)[:n]
+
+
+def _band(xs, lo, hi, color, group, name, alpha=0.16) -> list[dict]:
+    """A filled band between lo and hi (two traces; the upper edge first)."""
+    common = {"type": "scatter", "mode": "lines", "x": xs, "line": {"width": 0}, "legendgroup": group,
+              "showlegend": False, "hoverinfo": "skip"}
+    return [{**common, "y": hi, "name": f"{name} upper"},
+            {**common, "y": lo, "name": name, "fill": "tonexty", "fillcolor": rgba(color, alpha)}]
+
+
 def fig_passk(ctx: Context) -> Figure | None:
+    """One line per method: the mean over its seeds, a band (min–max over seeds) and each seed on demand.
+
+    A method with one run (and the base) gets a band of the 95% interval over test problems instead. Per-seed
+    curves start hidden (legend entries, click to show): at study size, 20 lines are unreadable.
+    """
     evals = as_dict(ctx.analysis.get("evals"))
-    entries = [(k, b) for k, b in ctx.with_base(evals) if isinstance(evals[k], dict)]
-    if not entries:
+    base_key = ctx.base_key(evals)
+    curves = {key: _eval_curve(evals[key]) for key in [base_key, *ctx.models]
+              if key is not None and isinstance(evals.get(key), dict)}
+    curves = {k: v for k, v in curves.items() if v[0]}
+    if not curves:
         return None
-    data, kmax, settings = [], 1, {}
-    for i, (key, is_base) in enumerate(entries):
-        ev = evals[key]
-        name, color = ptext(ctx.display(key)), ctx.color(key)
-        curve = as_dict(ev.get("curve"))
-        ks = [num(k) for k in as_list(curve.get("k"))]
-        if ks and all(k is not None for k in ks):
-            p = [num(v) for v in as_list(curve.get("pass"))]
-            m = [num(v) for v in as_list(curve.get("maj"))]
-        else:  # no curve: the requested ks only
-            keys = sort_ks(as_dict(ev.get("pass_at_k")))
-            ks = [num(k) for k in keys]
-            keep = [j for j, k in enumerate(ks) if k is not None]
-            ks = [ks[j] for j in keep]
-            p = [num(as_dict(ev.get("pass_at_k")).get(keys[j])) for j in keep]
-            m = [num(as_dict(ev.get("maj_at_k")).get(keys[j])) for j in keep]
-        if not ks:
+    kmax = max(max(ks) for ks, _, _ in curves.values())
+    data: list[dict] = []
+    settings = {key: _settings_line(evals[key]) for key in curves}
+    requested = sorted({int(k) for ev in evals.values() for k in as_dict(as_dict(ev).get("pass_at_k"))
+                        if str(k).isdigit() and int(k) >= 1})
+    hover = "%{fullData.name}<br>K = %{x}: %{y:.1%}<extra></extra>"
+
+    def family(key, members, name, color, legendgroup, width, visible=True):
+        """Pass@K line (+ band) and Maj@K line of one model or of the mean over a method's runs."""
+        cs = [curves[m] for m in members]
+        ks = cs[0][0]
+        if any(c[0] != ks for c in cs):  # seeds evaluated at different K: draw the first only
+            cs, members = cs[:1], members[:1]
+        p_mean, p_lo, p_hi = mean_band([c[1] for c in cs])
+        m_mean = mean_band([c[2] for c in cs])[0]
+        out = []
+        if visible is True:
+            if len(cs) > 1:
+                band, what = (p_lo, p_hi), "min–max over seeds"
+            else:
+                iv = passk_interval([evals[m] for m in members], ks)
+                band, what = (iv if iv else (None, None)), "95% interval over problems"
+            if band[0] is not None and any(v is not None for v in band[0]):
+                out += _band(ks, band[0], band[1], color, legendgroup, f"{name} · {what}")
+        tr = {"type": "scatter", "x": ks, "y": p_mean, "name": name, "legendgroup": legendgroup,
+              "mode": "lines+markers" if len(ks) <= 40 else "lines", "line": {"color": color, "width": width},
+              "marker": {"size": 4}, "hovertemplate": hover}
+        if visible is not True:
+            tr["visible"] = visible
+        if visible is True and len(cs) > 1 and requested:
+            # the 95% interval over problems of the seed mean, at the requested K, as error bars
+            xs = [k for k in requested if k in ks]
+            lo, hi = passk_interval([evals[m] for m in members], xs) or ([], [])
+            ys = [p_mean[ks.index(k)] for k in xs]
+            if xs and all(v is not None for v in lo + ys):
+                out.append({"type": "scatter", "mode": "markers", "x": xs, "y": ys, "legendgroup": legendgroup,
+                            "showlegend": False, "name": f"{name} · 95% interval over problems",
+                            "marker": {"color": color, "size": 6},
+                            "error_y": {"type": "data", "symmetric": False, "array": [h - y for h, y in zip(hi, ys)],
+                                        "arrayminus": [y - v for y, v in zip(ys, lo)], "color": color,
+                                        "thickness": 1.5, "width": 4},
+                            "hovertemplate": "%{fullData.name}<br>K = %{x}: %{y:.1%}<extra></extra>"})
+        out.append(tr)
+        if any(v is not None for v in m_mean):
+            mt = {"type": "scatter", "x": ks, "y": m_mean, "name": f"{name} · Maj@K", "legendgroup": legendgroup,
+                  "showlegend": False, "mode": "lines", "hovertemplate": hover,
+                  "line": {"color": color, "width": max(1.0, width - 1), "dash": "dash"}}
+            if visible is not True:
+                mt["visible"] = visible
+            out.append(mt)
+        return out
+
+    if base_key in curves:
+        data += family(base_key, [base_key], ptext(ctx.display(base_key)), BASE_COLOR, "base", 2)
+    seed_traces: list[dict] = []
+    for method, members in ctx.methods.items():
+        members = [m for m in members if m in curves]
+        if not members:
             continue
-        kmax = max(kmax, max(ks))
-        settings[key] = _settings_line(ev)
-        common = {"type": "scatter", "x": ks, "legendgroup": f"g{i}", "hovertemplate":
-                  "%{fullData.name}<br>K = %{x}: %{y:.1%}<extra></extra>"}
-        width = 2 if is_base else 2.5
-        data.append({**common, "y": p[:len(ks)], "name": f"{name} · Pass@K", "mode": "lines+markers",
-                     "line": {"color": color, "width": width}, "marker": {"size": 4}})
-        if any(v is not None for v in m):
-            data.append({**common, "y": m[:len(ks)], "name": f"{name} · Maj@K", "mode": "lines",
-                         "line": {"color": color, "width": width - 0.5, "dash": "dash"}})
-    if not data:
-        return None
+        color = ctx.method_colors[method]
+        if len(members) == 1:
+            data += family(members[0], members, ptext(members[0]), ctx.color(members[0]), f"m:{method}", 2.5)
+            continue
+        data += family(None, members, ptext(ctx.method_name(method)), color, f"m:{method}", 3)
+        for label in members:
+            seed_traces += family(label, [label], ptext(label), ctx.color(label), f"s:{label}", 1.5,
+                                  visible="legendonly")
+    data += seed_traces
     ticks = [2 ** i for i in range(int(math.log2(kmax)) + 1)]
     if kmax not in ticks:
         ticks.append(kmax)
     layout = {
-        "height": 430,
+        "height": 470,
         "xaxis": {"type": "log", "title": {"text": "K (samples per problem)"}, "tickvals": ticks,
                   "ticktext": [str(int(t)) if float(t).is_integer() else str(t) for t in ticks]},
         "yaxis": {"title": {"text": "problems solved"}, "tickformat": ".0%", "range": [0, 1.02]},
-        "legend": _legend_right(), "hovermode": "closest",
+        "legend": {**_legend_right(), "tracegroupgap": 2, "font": {"size": 12}}, "hovermode": "closest",
     }
     distinct = set(settings.values())
     if len(distinct) == 1:
         meta = esc(next(iter(distinct)))
     else:
         meta = "<br>".join(f"<b>{esc(ctx.display(k))}</b>: {esc(v)}" for k, v in settings.items())
+    notes = []
+    if ctx.multi_seed:
+        notes.append("Bold lines are the mean over a method's training seeds, with a band from the lowest to the "
+                     "highest seed and error bars at the requested K for the 95% interval over test problems "
+                     "(normal approximation, per-problem Pass@K averaged over seeds); each seed's own curve is "
+                     "hidden until its legend entry is clicked. A single model's band is its 95% interval over "
+                     "problems.")
+    else:
+        notes.append("Bands are 95% intervals over test problems (normal approximation of each problem's "
+                     "unbiased Pass@K).")
+    base_seeds = num(as_dict(as_dict(ctx.analysis.get("study")).get("config")).get("base_seeds"))
+    if base_key in curves and base_seeds and base_seeds > 1:
+        notes.append(f"The base curve is its evaluation with sampling seed 0 (the analysis keeps that one); the "
+                     f"summary table's base row and its changes use the mean over the {int(base_seeds)} sampling "
+                     "seeds the study evaluated, as the verdicts do.")
     return Figure(
         "fig-passk", "Pass@K and Maj@K",
         "Solid lines are Pass@K, the share of problems solved by at least one of K samples, and dashed lines "
         "are Maj@K, where the most common of K answers must be right; a gain at K = 1 that shrinks or turns "
         "into a loss at K = 32 means training sharpened what the base model could already do rather than "
         "teaching it new problems.",
-        data, layout, meta=meta)
+        data, layout, meta=meta, notes=notes)
 
 
 # ------------------------------------------------------------------------------------ distance from init
@@ -175,26 +262,15 @@ def fig_distance(ctx: Context) -> Figure | None:
                          "<br>%{customdata[1]:,} parameters<extra></extra>",
         "showlegend": False,
     }]
-    ratios = []
-    for r in as_list(ctx.analysis.get("ratios")):
-        r = as_dict(r)
-        v = num(r.get("rel_l2_ratio"))
-        if v is not None and r.get("a") is not None and r.get("b") is not None:
-            ratios.append(f"{ptext(r['a'])} / {ptext(r['b'])}: <b>{v:.3g}×</b>")
-    annotations = []
-    if ratios:
-        annotations.append({"text": "<br>".join(ratios), "xref": "paper", "yref": "paper", "x": 1, "y": 1.0,
-                            "xanchor": "right", "yanchor": "top", "align": "right", "showarrow": False,
-                            "bgcolor": "rgba(255,255,255,0.9)", "bordercolor": "#d5d9df", "borderpad": 6,
-                            "font": {"size": 13}})
     # Linear on purpose: the ratio between methods is the point, and a log axis would hide it.
     yaxis = {"title": {"text": "‖θ − θ₀‖ / ‖θ₀‖"}, "rangemode": "tozero", "exponentformat": "e"}
     layout = {"height": 380, "xaxis": {"title": {"text": "model"}, "type": "category"}, "yaxis": yaxis,
-              "annotations": annotations, "bargap": 0.45, "margin": {"t": 16}}
+              "bargap": 0.45 if len(rows) < 6 else 0.25, "margin": {"t": 16}}
     return Figure(
         "fig-distance", "Distance from the initial weights",
         "Bar height is how far each fine-tuned model moved from its starting weights, ‖θ − θ₀‖ / ‖θ₀‖ over "
-        "all parameters; the box gives the ratio between methods (how many times further one moved).",
+        "all parameters (bars of one method share its hue, a shade per seed); the table below gives the ratio "
+        "between methods (how many times further one moved).",
         data, layout)
 
 
@@ -428,7 +504,8 @@ def fig_sparsify(ctx: Context) -> Figure | None:
 
 
 # ---------------------------------------------------------------------------------------- training
-def fig_training(ctx: Context) -> Figure | None:
+def _fig_training_steps(ctx: Context) -> Figure | None:
+    """The figure for analyses without compute units: reward per run against its own iteration or step."""
     training = as_dict(ctx.analysis.get("training"))
     labels = [label for label in ctx.models if as_list(as_dict(training.get(label)).get("rows"))]
     if not labels:
@@ -507,6 +584,104 @@ def fig_training(ctx: Context) -> Figure | None:
         "Each line is a run's mean reward per training iteration, and the shaded band spans the lowest to the "
         "highest reward in that iteration's population or batch.",
         data, layout, notes=note)
+
+
+TRAIN_METRICS = [("reward_mean", "training reward", ".2f"), ("eval_pass1", "validation Pass@1", ".0%"),
+                 ("kl", "KL to the reference", "~g"), ("entropy", "token entropy", "~g"),
+                 ("grad_norm", "gradient norm", "~g")]
+
+
+def fig_training(ctx: Context) -> Figure | None:
+    """Training curves on the FLOP-matched compute axis, one panel per metric (small multiples).
+
+    Every run whose rows carry `units` (deltalens.training.budget) is drawn against them, so ES iterations
+    and GRPO steps compare at equal compute. Per panel: each seed a thin line in its shade, each method with
+    several seeds a bold mean over them (at the compute points all its seeds share) with a min–max band.
+    Without units on every run the older figure (reward per iteration or step) is drawn.
+    """
+    training = as_dict(ctx.analysis.get("training"))
+    labels = [label for label in ctx.models if as_list(as_dict(training.get(label)).get("rows"))]
+    if not labels:
+        return None
+    runs = {}
+    for label in labels:
+        rows = [r for r in as_list(training[label]["rows"]) if isinstance(r, dict)]
+        if not rows or any(num(r.get("units")) is None for r in rows):
+            return _fig_training_steps(ctx)
+        runs[label] = sorted(rows, key=lambda r: num(r["units"]))
+    metrics = [(k, t, f) for k, t, f in TRAIN_METRICS if any(num(r.get(k)) is not None for rs in runs.values() for r in rs)]
+    if not metrics:
+        return None
+    cols = min(len(metrics), 3 if len(metrics) != 4 else 2)
+    nrows = math.ceil(len(metrics) / cols)
+    hgap, vgap = 0.08, 0.2 if nrows > 1 else 0.0
+    width, height = (1 - hgap * (cols - 1)) / cols, (1 - vgap * (nrows - 1)) / nrows
+    layout: dict[str, Any] = {"height": 340 * nrows + 40, "hovermode": "closest", "annotations": [],
+                              "legend": {**_legend_right(), "tracegroupgap": 2}, "margin": {"t": 36}}
+    data: list[dict] = []
+    for p, (key, title, fmt) in enumerate(metrics):
+        suffix = "" if p == 0 else str(p + 1)
+        axes = {"xaxis": f"x{suffix}", "yaxis": f"y{suffix}"}
+        r, c = divmod(p, cols)
+        x0, y1 = c * (width + hgap), 1 - r * (height + vgap)
+        xdom, ydom = [x0, x0 + width], [y1 - height, y1]
+        layout[f"xaxis{suffix}"] = {"domain": xdom, "anchor": f"y{suffix}", "tickformat": "~s",
+                                    "title": {"text": "compute units"}, **({"matches": "x"} if p else {})}
+        layout[f"yaxis{suffix}"] = {"domain": ydom, "anchor": f"x{suffix}", "tickformat": fmt,
+                                    **({"rangemode": "tozero"} if key in ("kl", "grad_norm") else {})}
+        layout["annotations"].append({**_subplot_title(title, *xdom), "y": y1})
+        hover = f"%{{fullData.name}}<br>%{{x:.3s}} units: {ptext(title)} %{{y:{fmt}}}<extra></extra>"
+        for method, members in ctx.methods.items():
+            members = [m for m in members if m in runs]
+            series = {m: [(num(row["units"]), num(row.get(key))) for row in runs[m] if num(row.get(key)) is not None]
+                      for m in members}
+            series = {m: v for m, v in series.items() if v}
+            if not series:
+                continue
+            mode = "lines+markers" if max(len(v) for v in series.values()) <= 12 else "lines"
+            several = len(members) > 1
+            for m, pts in series.items():
+                data.append({"type": "scatter", "mode": mode, "x": [x for x, _ in pts], "y": [y for _, y in pts],
+                             "name": ptext(m), "legendgroup": f"s:{m}", "showlegend": False, **axes,
+                             "line": {"color": ctx.color(m), "width": 1.2 if several else 2.2},
+                             "opacity": 0.4 if several else 1.0, "marker": {"size": 4}, "hovertemplate": hover})
+            if several and len(series) > 1:
+                shared = sorted(set.intersection(*({x for x, _ in v} for v in series.values())))
+                if shared:
+                    vals = [[dict(v)[x] for x in shared] for v in series.values()]
+                    mean, lo, hi = mean_band(vals)
+                    color, name = ctx.method_colors[method], ptext(ctx.method_name(method))
+                    for tr in _band(shared, lo, hi, color, f"m:{method}", f"{name} · min–max over seeds", 0.09):
+                        data.append({**tr, **axes})
+                    data.append({"type": "scatter", "mode": mode, "x": shared, "y": mean, "name": name,
+                                 "legendgroup": f"m:{method}", "showlegend": False, **axes,
+                                 "line": {"color": color, "width": 3}, "marker": {"size": 5},
+                                 "hovertemplate": hover})
+    # one legend entry per method mean and per seed, on the first trace of each group
+    seen: set[str] = set()
+    for tr in data:
+        g = tr["legendgroup"]
+        if g not in seen and "fill" not in tr and not tr["name"].endswith(" upper"):
+            seen.add(g)
+            tr["showlegend"] = True
+    order = {f"m:{m}": i * 100 for i, m in enumerate(ctx.methods)}
+    order.update({f"s:{lab}": order[f"m:{ctx.method_of(lab)}"] + 1 + i for m in ctx.methods
+                  for i, lab in enumerate(ctx.methods[m])})
+    for tr in data:
+        tr["legendrank"] = 1000 + order.get(tr["legendgroup"], 0)
+    missing = [t for k, t, _ in TRAIN_METRICS if k not in {m[0] for m in metrics}]
+    notes = [("The x axis is FLOP-matched compute (deltalens.training.budget: one unit is one pass of the "
+             "parameters over one response; an ES response costs 2, a GRPO response 8), so a method's curve ends "
+             "where its budget does.")]
+    if missing:
+        notes.append("Not recorded in this analysis: " + ", ".join(missing) + ".")
+    return Figure(
+        "fig-training", "Training curves",
+        "Each panel is one training metric against compute spent; thin lines are single runs (a shade per seed), "
+        "bold lines the mean over a method's seeds with a band from the lowest to the highest seed; validation "
+        "Pass@1 is the periodic held-out evaluation the runs log, KL, entropy and gradient norm come from GRPO's "
+        "steps.",
+        data, layout, notes=notes)
 
 
 # ---------------------------------------------------------------------------------------- diversity

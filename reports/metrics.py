@@ -102,3 +102,104 @@ def layer_grid(d: dict) -> tuple[list[int], list[str], dict[str, list[list[float
     groups = order_groups(g for _, g in cells)
     z = {m: [[as_dict(cells.get((layer, g))).get(m) for g in groups] for layer in layers] for m in ("l2", "rel_l2")}
     return layers, groups, z
+
+
+# ------------------------------------------------------------------------- Pass@K intervals, seeds
+Z95 = 1.959964
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased Pass@k of one problem with c correct of n samples: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):  # C(n-c, k)/C(n, k) as a product: no huge integers
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def per_problem_counts(ev: dict) -> list[tuple[int, int]]:
+    """(correct, n) per problem of an evaluation; empty when it has no usable per_problem rows."""
+    out = []
+    for r in as_list(ev.get("per_problem")):
+        c, n = as_dict(r).get("correct"), as_dict(r).get("n")
+        if isinstance(c, int) and isinstance(n, int) and not isinstance(c, bool) and 0 <= c <= n and n >= 1:
+            out.append((c, n))
+    return out
+
+
+def passk_interval(evs: list[dict], ks: list[float]) -> tuple[list[float | None], list[float | None]] | None:
+    """95% normal-approximation interval over problems of Pass@K (K in `ks`), for the mean over `evs`.
+
+    Each problem's Pass@K is averaged over the evaluations first (seeds of a method, or one evaluation), then
+    mean ± 1.96 · sd / sqrt(problems), clipped to [0, 1]: the uncertainty from which test problems were drawn.
+    None when some evaluation lacks per-problem counts or they cover different numbers of problems.
+    """
+    counts = [per_problem_counts(ev) for ev in evs]
+    m = len(counts[0]) if counts else 0
+    if m < 2 or any(len(c) != m for c in counts):
+        return None
+    lo, hi = [], []
+    for k in ks:
+        if k is None or k < 1 or any(k > n for cs in counts for _, n in cs):
+            lo.append(None)
+            hi.append(None)
+            continue
+        vals = [sum(pass_at_k(cs[i][1], cs[i][0], int(k)) for cs in counts) / len(counts) for i in range(m)]
+        mean = sum(vals) / m
+        sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (m - 1))
+        half = Z95 * sd / math.sqrt(m)
+        lo.append(max(0.0, mean - half))
+        hi.append(min(1.0, mean + half))
+    return lo, hi
+
+
+def mean_band(series: list[list[float | None]]) -> tuple[list[float | None], list[float | None], list[float | None]]:
+    """Pointwise mean, min and max over equally long series (None where any series lacks the point)."""
+    mean, lo, hi = [], [], []
+    for vals in zip(*series):
+        if any(v is None for v in vals):
+            mean.append(None)
+            lo.append(None)
+            hi.append(None)
+        else:
+            mean.append(sum(vals) / len(vals))
+            lo.append(min(vals))
+            hi.append(max(vals))
+    return mean, lo, hi
+
+
+def ratio_rows(ctx) -> list[dict]:
+    """Whole-model distance ratios per pair of methods, over every pair of their runs.
+
+    One row per unordered method pair, oriented so that the mean ratio is >= 1 (the method that moved
+    farther on top): mean, min and max of rel_l2(a) / rel_l2(b) over all (run of a, run of b) pairs, and
+    the mean over seed-matched pairs (a-s0 / b-s0, ...) where both methods have the same seeds.
+    """
+    diff = as_dict(ctx.analysis.get("diff"))
+
+    def rel(label):
+        v = as_dict(as_dict(diff.get(label)).get("whole")).get("rel_l2")
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+    methods = [(m, [lab for lab in labs if rel(lab) is not None]) for m, labs in ctx.methods.items()]
+    methods = [(m, labs) for m, labs in methods if labs]
+    rows = []
+    for i, (ma, la) in enumerate(methods):
+        for mb, lb in methods[i + 1:]:
+            vals = [rel(a) / rel(b) for a in la for b in lb]
+            mean = sum(vals) / len(vals)
+            if mean < 1:
+                ma_, mb_, la_, lb_ = mb, ma, lb, la
+                vals = [1 / v for v in vals]
+                mean = sum(vals) / len(vals)
+            else:
+                ma_, mb_, la_, lb_ = ma, mb, la, lb
+            seeds_a = {ctx.seed_of(a): a for a in la_}
+            seeds_b = {ctx.seed_of(b): b for b in lb_}
+            common = [s for s in seeds_a if s is not None and s in seeds_b]
+            matched = [rel(seeds_a[s]) / rel(seeds_b[s]) for s in common]
+            rows.append({"a": ma_, "b": mb_, "mean": mean, "min": min(vals), "max": max(vals), "pairs": len(vals),
+                         "matched": sum(matched) / len(matched) if len(matched) > 1 else None,
+                         "n_matched": len(matched)})
+    return rows

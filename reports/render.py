@@ -6,6 +6,12 @@ Public API: `render_report(analysis, out_path)`, `render_file(analysis_json_path
 Safety: user strings (labels, paths, prompts, task names) are HTML-escaped wherever they enter markup, and
 the data island is JSON with every `<`, `>` and `&` written as a \\u escape, so no string in analysis.json
 can close the <script> element or inject markup. No external URL is referenced: the page needs no network.
+
+plotly.js: the page inlines plotly's "cartesian" partial bundle (templates/plotly-cartesian.min.js, MIT,
+version PLOTLY_BUNDLE_VERSION, ~1.5 MB instead of the full 4.8 MB), which holds every trace type the figures
+draw (scatter, bar, heatmap). Before inlining it the renderer checks that each figure's trace types are in
+the bundle; if one is not (a future figure), the full plotly.js of the installed plotly package is inlined
+instead and the page says so.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ from .common import Context, esc
 from .figures import BUILDERS, TEMPLATE, Figure
 from .tables import (
     claims_table,
+    completions_section,
     held_out_table,
     inputs_table,
     per_problem_table,
     per_prompt_table,
+    ratio_table,
     summary_table,
     warnings_list,
 )
@@ -124,6 +132,22 @@ def _template(name: str) -> str:
         return (Path(__file__).parent / "templates" / name).read_text(encoding="utf-8")
 
 
+# The partial bundle vendored in templates/ (npm plotly.js-cartesian-dist-min) and the trace types it holds.
+PLOTLY_BUNDLE = "plotly-cartesian.min.js"
+PLOTLY_BUNDLE_VERSION = "4.1.1"
+PLOTLY_BUNDLE_TRACES = frozenset({"bar", "box", "contour", "heatmap", "histogram", "histogram2d",
+                                  "histogram2dcontour", "image", "pie", "scatter", "scatterternary", "violin"})
+
+
+def _trace_types(figures: list[Figure]) -> set[str]:
+    return {str(t.get("type") or "scatter") for f in figures for t in f.data}
+
+
+@functools.lru_cache(maxsize=1)
+def _plotly_bundle() -> str:
+    return _script_safe(_template(PLOTLY_BUNDLE))
+
+
 @functools.lru_cache(maxsize=1)
 def _plotly_js() -> str:
     try:
@@ -211,10 +235,17 @@ def build_html(analysis: dict, *, rendered_at: _dt.datetime | None = None) -> st
             fig.after_html = _safe(per_problem_table, ctx, problems)
         elif fig.id == "fig-diversity":
             fig.after_html = _safe(per_prompt_table, ctx, problems)
+        elif fig.id == "fig-distance":
+            fig.after_html = _safe(ratio_table, ctx, problems)
 
     held = _safe(held_out_table, ctx, problems) if _present(analysis, "held_out") else None
     claims = _safe(claims_table, ctx, problems) if _present(analysis, "study") else None
     absent = [k for k in SECTIONS if not _present(analysis, k)]
+    completions = _safe(completions_section, ctx, problems) if _present(analysis, "evals") else None
+    outside = sorted(_trace_types(figures) - PLOTLY_BUNDLE_TRACES)
+    if outside:  # a figure the partial bundle cannot draw: inline all of plotly.js rather than break it
+        problems.append(f"Trace types {', '.join(outside)} are not in plotly.js's cartesian bundle; the full "
+                        "plotly.js is inlined instead (a larger file).")
 
     body: list[str] = []
     models = ", ".join(ctx.models) or "no models"
@@ -232,6 +263,8 @@ def build_html(analysis: dict, *, rendered_at: _dt.datetime | None = None) -> st
         + "</dl></header>")
     toc = [("sec-summary", "Summary")] + ([("sec-claims", "Claims")] if claims else []) + [
         (f"sec-{f.id}", f.title) for f in figures]
+    if completions is not None:
+        toc.append(("sec-completions", "Sample completions"))
     if held is not None:
         toc.append(("sec-heldout", "Forgetting"))
     body.append('<nav class="toc" aria-label="Sections">'
@@ -239,9 +272,10 @@ def build_html(analysis: dict, *, rendered_at: _dt.datetime | None = None) -> st
 
     summary = ['<section class="card" id="sec-summary"><h2>Summary</h2>',
                ('<p class="caption">One row per model: Pass@K with the change from base in percentage points '
-                '(green up, red down), how far the weights moved from the initial model, how that distance '
-                'compares between methods, and how much of the update can be zeroed while keeping 90% of the '
-                'Pass@1 gain.</p>'), _safe(summary_table, ctx, problems), _safe(warnings_list, ctx, problems)]
+                '(green up, red down), how far the weights moved from the initial model, and how much of the '
+                'update can be zeroed while keeping 90% of the Pass@1 gain; a method trained with several '
+                'seeds has a row for its mean above its runs. Distance ratios between methods are in the table '
+                'under the distance figure.</p>'), _safe(summary_table, ctx, problems), _safe(warnings_list, ctx, problems)]
     if absent:
         study = isinstance(analysis.get("study"), dict)
         items = "".join(f"<li><b>{esc(SECTIONS[k][0])}</b> — add with "
@@ -262,6 +296,9 @@ def build_html(analysis: dict, *, rendered_at: _dt.datetime | None = None) -> st
                     'interval (over test problems and, where there are several, training seeds).</p>'
                     + claims + "</section>")
     body += [_figure_section(f) for f in figures]
+    if completions is not None:
+        body.append('<section class="card" id="sec-completions"><h2>Sample completions</h2>' + completions
+                    + "</section>")
     if held is not None:
         body.append('<section class="card" id="sec-heldout"><h2>Forgetting on held-out tasks</h2>'
                     '<p class="caption">Pass@K on tasks that were not trained on, with the change from base; a red '
@@ -277,7 +314,7 @@ def build_html(analysis: dict, *, rendered_at: _dt.datetime | None = None) -> st
         "CSS": _template("report.css"),
         "BODY": "\n".join(body),
         "DATA": _json_island(payload),
-        "PLOTLY": _plotly_js(),
+        "PLOTLY": _plotly_js() if outside else _plotly_bundle(),
         "APP": _script_safe(_template("report.js")),
         "GENERATOR": esc(f"deltalens {_renderer_version()}"),
     }
@@ -343,5 +380,5 @@ def render_file(analysis_json_path: str | os.PathLike, out_path: str | os.PathLi
     return render_report(analysis, out)
 
 
-__all__ = ["SCHEMA_VERSION", "SECTIONS", "build_html", "load_analysis", "render_file",
+__all__ = ["PLOTLY_BUNDLE_VERSION", "SCHEMA_VERSION", "SECTIONS", "build_html", "load_analysis", "render_file",
            "render_report", "validate"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .common import (
+    BASE_COLOR,
     PER_SEED_NOTE,
     Context,
     as_dict,
@@ -17,7 +18,7 @@ from .common import (
     per_seed_text,
     sort_ks,
 )
-from .metrics import sparsity_keeping_gain
+from .metrics import ratio_rows, sparsity_keeping_gain
 
 MAX_ROWS = 300
 
@@ -42,6 +43,29 @@ def _value_with_delta(value: float | None, base: float | None) -> str:
     return out
 
 
+def base_pass_at_k(ctx: Context) -> tuple[dict, int]:
+    """The base's Pass@K for tables, and over how many sampling seeds it is a mean.
+
+    A study evaluates the base with several sampling seeds and compares every method with their mean
+    (study.effects[...].base); the analysis's evals.base is seed 0 only. Where the study's means exist they
+    are used, so the summary agrees with the verdicts; otherwise evals.base.
+    """
+    evals = as_dict(ctx.analysis.get("evals"))
+    bk = ctx.base_key(evals)
+    own = dict(as_dict(as_dict(evals.get(bk)).get("pass_at_k"))) if bk else {}
+    study = as_dict(ctx.analysis.get("study"))
+    seeds = num(as_dict(study.get("config")).get("base_seeds"))
+    if seeds and seeds > 1:
+        means = {}
+        for key, e in as_dict(study.get("effects")).items():
+            metric = str(key).split(":", 1)[-1]
+            if metric.startswith("pass@") and num(as_dict(e).get("base")) is not None:
+                means[metric[5:]] = num(as_dict(e)["base"])
+        if means:
+            return {**own, **means}, int(seeds)
+    return own, 1
+
+
 def summary_table(ctx: Context) -> str:
     a = ctx.analysis
     evals = as_dict(a.get("evals"))
@@ -49,49 +73,89 @@ def summary_table(ctx: Context) -> str:
     sparsify = as_dict(a.get("sparsify"))
     ks = sort_ks(k for ev in evals.values() for k in as_dict(as_dict(ev).get("pass_at_k"))) or ["1", "16", "32"]
     bk = ctx.base_key(evals)
-    base_pk = as_dict(as_dict(evals.get(bk)).get("pass_at_k")) if bk else {}
-    ratios: dict[str, list[str]] = {}
-    for r in as_list(a.get("ratios")):
-        r = as_dict(r)
-        v = num(r.get("rel_l2_ratio"))
-        if v is not None and r.get("a") is not None:
-            ratios.setdefault(str(r["a"]), []).append(f"{v:.3g}× {esc(r.get('b'))}")
+    base_pk, base_seeds = base_pass_at_k(ctx)
     head = ["Model"] + [f"Pass@{esc(k)}" for k in ks] + [
-        '‖θ−θ₀‖/‖θ₀‖', "Ratio (rel. distance)", 'Sparsity keeping ≥90% of Pass@1 gain']
+        '‖θ−θ₀‖/‖θ₀‖', 'Sparsity keeping ≥90% of Pass@1 gain']
     tips = [""] + ["share of problems solved by at least one of K samples; change vs base in points"] * len(ks) + [
-        "relative distance from the initial weights (whole model)",
-        "rel. distance of this model divided by that of the named model",
+        ("relative distance from the initial weights (whole model); ratios between methods are under the distance "
+        "figure"),
         ("largest fraction of Δ that can be zeroed (smallest entries first) keeping 90% of the Pass@1 gain; "
          "interpolated between the tested sparsities")]
     rows = []
-    base_row_needed = bk is not None
-    if base_row_needed:
-        cells = [f'<th scope="row">{_swatch(ctx, "base")}{esc(ctx.base_label)} <span class="tag">base</span></th>']
+    if bk is not None:
+        tag = f"base · mean of {base_seeds} sampling seeds" if base_seeds > 1 else "base"
+        cells = [f'<th scope="row">{_swatch(ctx, "base")}{esc(ctx.base_label)} <span class="tag">{esc(tag)}</span></th>']
         cells += [f'<td class="num">{esc(fmt_pct(base_pk.get(k)))}</td>' for k in ks]
-        cells += ['<td class="num na">—</td>'] * 3
+        cells += ['<td class="num na">—</td>'] * 2
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    for label in ctx.models:
-        info = ctx.model_info.get(label, {})
-        method = info.get("method")
-        tag = f' <span class="tag">{esc(method)}</span>' if method and str(method) != label else ""
-        cells = [f'<th scope="row">{_swatch(ctx, label)}{esc(label)}{tag}</th>']
-        pk = as_dict(as_dict(evals.get(label)).get("pass_at_k"))
-        for k in ks:
-            cells.append(f'<td class="num">{_value_with_delta(num(pk.get(k)), num(base_pk.get(k)))}</td>')
-        rel = num(as_dict(as_dict(diff.get(label)).get("whole")).get("rel_l2"))
-        cells.append(f'<td class="num">{esc(fmt_g(rel))}</td>')
-        cells.append(f'<td class="num">{"<br>".join(ratios.get(label, [])) or "<span class=na>—</span>"}</td>')
-        sp = sparsify.get(label)
-        if isinstance(sp, dict):
-            s90, qual = sparsity_keeping_gain(sp)
-            text = f"{qual}{s90:.0%}" if s90 is not None else f"n/a ({qual})"
-        else:
-            text = "n/a"
-        cells.append(f'<td class="num">{esc(text)}</td>')
-        rows.append("<tr>" + "".join(cells) + "</tr>")
+
+    def rel_of(label):
+        return num(as_dict(as_dict(diff.get(label)).get("whole")).get("rel_l2"))
+
+    for method, members in ctx.methods.items():
+        if len(members) > 1:  # the method's mean over its seeds first, then its runs
+            cells = [(f'<th scope="row"><span class="swatch" style="background:{ctx.method_colors[method]}"></span>'
+                     f'{esc(method)} <span class="tag">mean of {len(members)} seeds</span></th>')]
+            for k in ks:
+                vals = [num(as_dict(as_dict(evals.get(m)).get("pass_at_k")).get(k)) for m in members]
+                mean = sum(vals) / len(vals) if vals and all(v is not None for v in vals) else None
+                cells.append(f'<td class="num">{_value_with_delta(mean, num(base_pk.get(k)))}</td>')
+            rels = [rel_of(m) for m in members]
+            rel = sum(rels) / len(rels) if all(v is not None for v in rels) else None
+            cells.append(f'<td class="num">{esc(fmt_g(rel))}</td><td class="num na">—</td>')
+            rows.append('<tr class="method-mean">' + "".join(cells) + "</tr>")
+        for label in members:
+            info = ctx.model_info.get(label, {})
+            meth = info.get("method")
+            tag = f' <span class="tag">{esc(meth)}</span>' if meth and str(meth) != label else ""
+            cells = [f'<th scope="row">{_swatch(ctx, label)}{esc(label)}{tag}</th>']
+            pk = as_dict(as_dict(evals.get(label)).get("pass_at_k"))
+            for k in ks:
+                cells.append(f'<td class="num">{_value_with_delta(num(pk.get(k)), num(base_pk.get(k)))}</td>')
+            cells.append(f'<td class="num">{esc(fmt_g(rel_of(label)))}</td>')
+            sp = sparsify.get(label)
+            if isinstance(sp, dict):
+                s90, qual = sparsity_keeping_gain(sp)
+                text = f"{qual}{s90:.0%}" if s90 is not None else f"n/a ({qual})"
+            else:
+                text = "n/a"
+            cells.append(f'<td class="num">{esc(text)}</td>')
+            rows.append(("<tr class=\"seed-run\">" if len(members) > 1 else "<tr>") + "".join(cells) + "</tr>")
     thead = "".join(f'<th scope="col" title="{esc(t)}">{h}</th>' for h, t in zip(head, tips))
+    note = ""
+    if base_seeds > 1:
+        note = (f'<p class="note">The base row is the mean over the {base_seeds} sampling seeds the base was '
+                'evaluated with, and every change from base is against it (as in the verdicts).</p>')
     return (f'<div class="table-wrap"><table class="summary"><thead><tr>{thead}</tr></thead>'
-            f'<tbody>{"".join(rows)}</tbody></table></div>')
+            f'<tbody>{"".join(rows)}</tbody></table></div>{note}')
+
+
+def ratio_table(ctx: Context) -> str:
+    """Distance ratios per pair of methods (mean and range over pairs of runs), below the distance figure."""
+    rows = ratio_rows(ctx)
+    if not rows:
+        return ""
+    multi = ctx.multi_seed
+    body = []
+    for r in rows:
+        a = f'<span class="swatch" style="background:{ctx.method_colors.get(r["a"], BASE_COLOR)}"></span>{esc(r["a"])}'
+        b = f'<span class="swatch" style="background:{ctx.method_colors.get(r["b"], BASE_COLOR)}"></span>{esc(r["b"])}'
+        cells = [f'<th scope="row">{a} / {b}</th>', f'<td class="num"><b>{esc(fmt_g(r["mean"]))}×</b></td>']
+        if multi:
+            rng = "—" if r["pairs"] < 2 else f'{fmt_g(r["min"])}× – {fmt_g(r["max"])}×'
+            matched = "—" if r["matched"] is None else f'{fmt_g(r["matched"])}× ({r["n_matched"]})'
+            cells += [f'<td class="num">{esc(rng)}</td>', f'<td class="num">{esc(matched)}</td>',
+                      f'<td class="num">{r["pairs"]}</td>']
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    head = ["Methods (farther / nearer)", "Ratio of ‖θ−θ₀‖/‖θ₀‖"]
+    if multi:
+        head += ["Range over run pairs", "Seed-matched mean (pairs)", "Run pairs"]
+    thead = "".join(f'<th scope="col">{esc(h)}</th>' for h in head)
+    note = ("Mean of rel_l2(a) / rel_l2(b) over every pair of a run of a and a run of b; seed-matched: over "
+            "a-s0 / b-s0, a-s1 / b-s1, ... (what the study's claim 2 tests)." if multi else
+            "rel_l2 of the first method divided by that of the second.")
+    return (f'<div class="table-wrap"><table class="data ratios" id="ratio-table"><thead><tr>{thead}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div><p class="note">{esc(note)}</p>')
 
 
 def inputs_table(ctx: Context) -> str:
@@ -251,3 +315,68 @@ def per_prompt_table(ctx: Context) -> str:
             f'{_truncation_note(len(prompts))}'
             f'<div class="table-wrap scroll"><table class="perprompt"><thead><tr><th scope="col">Prompt</th>{head}'
             f'</tr></thead><tbody>{"".join(rows)}</tbody></table></div></details>')
+
+
+COMPLETION_PROBLEMS = 4   # problems shown in "Sample completions"
+COMPLETIONS_PER_MODEL = 2
+COMPLETION_CHARS = 600    # a completion is cut after this many characters (the rest is in analysis.json)
+
+
+def _completion_items(row: dict) -> list[tuple[str, bool | None]]:
+    """(text, correct or None) of a per-problem row's kept completions.
+
+    `completions` holds strings (or {"text", "correct"} objects); `completions_correct`, when present, marks
+    the strings in the same order. Unmarked completions are shown without a mark.
+    """
+    marks = as_list(row.get("completions_correct"))
+    out = []
+    for i, c in enumerate(as_list(row.get("completions"))):
+        if isinstance(c, dict):
+            text, ok = c.get("text"), c.get("correct")
+        else:
+            text, ok = c, marks[i] if i < len(marks) else None
+        if isinstance(text, str):
+            out.append((text, ok if isinstance(ok, bool) else None))
+    return out
+
+
+def completions_section(ctx: Context) -> str:
+    """Sample completions for the first few problems: the base and one run per method, escaped text."""
+    evals = as_dict(ctx.analysis.get("evals"))
+    bk = ctx.base_key(evals)
+    shown = ([(bk, ctx.display(bk))] if bk else []) + [
+        (members[0], members[0] if len(members) == 1 else f"{members[0]} ({method})")
+        for method, members in ctx.methods.items() if members[0] in evals]
+    by_prompt: dict[str, dict] = {}
+    for key, _ in shown:
+        for row in as_list(as_dict(evals.get(key)).get("per_problem")):
+            if isinstance(row, dict) and _completion_items(row):
+                by_prompt.setdefault(str(row.get("prompt", "")), {"answer": row.get("answer"), "by": {}})["by"][key] = row
+    if not by_prompt:
+        return ('<p class="note" id="no-completions">No sample completions in this analysis: evaluations keep '
+                'them when asked to (per_problem[].completions).</p>')
+    blocks = []
+    for prompt, entry in list(by_prompt.items())[:COMPLETION_PROBLEMS]:
+        items = []
+        for key, name in shown:
+            row = entry["by"].get(key)
+            if row is None:
+                continue
+            cs = []
+            for text, ok in _completion_items(row)[:COMPLETIONS_PER_MODEL]:
+                mark = ('<span class="mark ok" title="correct">✓</span>' if ok else
+                        '<span class="mark bad" title="incorrect">✗</span>' if ok is False else
+                        '<span class="mark na" title="not scored">·</span>')
+                cut = text if len(text) <= COMPLETION_CHARS else text[:COMPLETION_CHARS] + " …"
+                cs.append(f'<li>{mark}<pre class="completion">{esc(cut)}</pre></li>')
+            c, n = num(row.get("correct")), num(row.get("n"))
+            score = f" · {int(c)}/{int(n)} correct" if c is not None and n else ""
+            items.append(f'<div class="comp-model"><h4>{_swatch(ctx, key)}{esc(name)}{esc(score)}</h4>'
+                         f'<ul class="comps">{"".join(cs)}</ul></div>')
+        blocks.append(f'<div class="comp-problem"><pre class="prompt">{esc(prompt)}</pre>'
+                      f'<p class="answer">answer: <code>{esc(entry["answer"])}</code></p>'
+                      f'<div class="comp-grid">{"".join(items)}</div></div>')
+    more = f" (first {COMPLETION_PROBLEMS} of {len(by_prompt)})" if len(by_prompt) > COMPLETION_PROBLEMS else ""
+    return (f'<p class="caption">What the models wrote{esc(more)}: for each problem, the prompt and the '
+            'reference answer, then one or two of the sampled completions of the base and of the first run '
+            'of each method, marked ✓ correct or ✗ incorrect.</p>' + "".join(blocks))

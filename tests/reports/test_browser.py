@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -208,5 +209,79 @@ def test_minimal_report_in_chromium(browser, tmp_path):
                                     "JSON.stringify(window.deltalens.payload.heatmap.models[0].z.rel_l2)",
                                     timeout=10_000)
         assert page.js("document.getElementById('fig-heatmap').data[0].z") != before
+    finally:
+        page.close()
+
+
+STUDY = Path(__file__).parents[1] / "fixtures" / "analysis_study.json"
+_BOXES = """(id) => {
+    const el = document.getElementById(id);
+    const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+    const legend = el.querySelector('.legend .bg');
+    const sb = el.querySelector('.legend .scrollbar');
+    return {legend: legend ? box(legend) : null,
+            scroll: sb ? sb.getBoundingClientRect().height : 0,
+            svg: box(el.querySelector('.main-svg')),
+            annotations: Array.from(el.querySelectorAll('.infolayer .annotation')).map(box),
+            plots: Array.from(el.querySelectorAll('.draglayer .nsewdrag')).map(box),
+            xtitle: (el.querySelector('.g-xtitle') || {}).textContent || ''};
+}"""
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[2] - 1 and b[0] < a[2] - 1 and a[1] < b[3] - 1 and b[1] < a[3] - 1
+
+
+def test_study_report_in_chromium(browser, tmp_path):
+    """The SmolLM2 study (9 runs): no legend or annotation box overlaps a plot, an annotation or another box,
+    no legend scrolls, one colour per method, the training figure on the compute axis, a small file."""
+    analysis = json.loads(STUDY.read_text())
+    out = render_report(analysis, tmp_path / "study.html")
+    assert out.stat().st_size < 2_500_000  # the full plotly.js alone is 4.8 MB
+    page = Page(browser, out)
+    try:
+        expected = ["fig-passk", "fig-distance", "fig-heatmap", "fig-groups", "fig-topk", "fig-sparsify",
+                    "fig-training", "fig-diversity"]
+        _assert_all_figures_drawn(page, expected)
+        assert page.console == [] and page.requests == [] and page.dialogs == []
+        for fig in expected:
+            b = page.js(_BOXES, fig)
+            boxes = ([b["legend"]] if b["legend"] else []) + b["annotations"]
+            for i, x in enumerate(boxes):
+                for y in boxes[i + 1:]:
+                    assert not _overlap(x, y), (fig, x, y)
+                for p in b["plots"]:  # no box over a plot area (the old 36-ratio box covered a bar)
+                    assert not _overlap(x, p), (fig, "a box over a plot", x, p)
+            assert b["scroll"] == 0, (fig, "the legend scrolls")
+            if b["legend"]:
+                assert b["legend"][3] <= b["svg"][3] + 1, (fig, "the legend runs out of the figure")
+        # Pass@K: 4 lines drawn (base + a mean per method), the 9 seeds as legend entries only
+        visible = page.js("""() => document.getElementById('fig-passk')._fullData
+            .filter(t => t.visible === true && t.showlegend).map(t => t.name)""")
+        assert visible == ["base", "es (mean of 3 seeds)", "grpo (mean of 3 seeds)", "es-grpo (mean of 3 seeds)"]
+        # one colour per method: the legend's line colours of a method's mean and of its seeds share a hue
+        legend = page.js("""() => Array.from(document.querySelectorAll('#fig-passk .legend .traces')).map(t => [
+            t.querySelector('.legendtext').textContent,
+            (t.querySelector('.legendlines path') || {style: {}}).style.stroke])""")
+        colors = dict(legend)
+        means = {m: colors[f"{m} (mean of 3 seeds)"] for m in ("es", "grpo", "es-grpo")}
+        assert len(set(means.values())) == 3
+        assert len({colors[f"{m}-s{s}"] for m in means for s in range(3)}) == 9
+
+        def rgb(c):
+            return [int(v) for v in re.findall(r"\d+", c)[:3]]
+        for m, c in means.items():
+            top = max(range(3), key=lambda i: rgb(c)[i])
+            assert all(max(range(3), key=lambda i: rgb(colors[f"{m}-s{s}"])[i]) == top for s in range(3)), m
+        # clicking a seed's legend entry draws it
+        page.page.click("#fig-passk .legend .traces:has-text('es-s1') .legendtoggle", force=True)
+        page.page.wait_for_function("""() => document.getElementById('fig-passk')._fullData
+            .some(t => t.name === 'es-s1' && t.visible === true)""", timeout=10_000)
+        # training: the compute axis
+        assert page.js(_BOXES, "fig-training")["xtitle"] == "compute units"
+        assert page.page.is_visible("#ratio-table") and page.page.is_visible("#sec-completions")
+        shot = os.environ.get("DELTALENS_STUDY_SCREENSHOT")
+        if shot:
+            page.page.screenshot(path=shot, full_page=True)
     finally:
         page.close()

@@ -78,11 +78,16 @@ def test_full_fixture_has_every_section(tmp_path, full):
     # header: title, creation time, versions
     assert "<title>deltalens report: es, grpo vs base</title>" in html
     assert "2026-11-29 22:00 UTC" in html and "deltalens 0.1.0" in html
-    # summary: Pass@K with change vs base, distance, ratio, sparsity at 90% of the gain
+    # summary: Pass@K with change vs base, distance, sparsity at 90% of the gain (ratios are in their own table)
     summary = html[html.index('id="sec-summary"'):html.index('id="sec-fig-passk"')]
     for text in ("Pass@1", "Pass@16", "Pass@32", "16.6%", "+4.5 pp", "29.1%", "+17.0 pp", "0.0307", "7.23e-4",
-                 "42.4× grpo", "56%", "66%", "lm_head.weight: 3 values differ"):
+                 "56%", "66%", "lm_head.weight: 3 values differ"):
         assert text in summary, text
+    assert "× grpo" not in summary
+    ratios = html[html.index('id="ratio-table"'):]
+    ratios = ratios[:ratios.index("</table>")]
+    es, grpo = (full["diff"][m]["whole"]["rel_l2"] for m in ("es", "grpo"))
+    assert f"<b>{es / grpo:.3g}×</b>" in ratios and ">es</th>" not in ratios and "es / " in ratios
 
 
 def test_figures_are_valid_plotly(full):
