@@ -41,12 +41,24 @@ def probe_cmd(
     """Can RL move this model on this task? Pass@K, format rate, reward, and the share of GRPO groups and ES
     populations whose rewards differ (the only thing either method learns from), with a verdict."""
     from deltalens.analysis.document import analysis_document, model_entry
-    from deltalens.analysis.probe import probe
+    from deltalens.analysis.probe import check_probe_options, probe
     from deltalens.io.atomic import write_json_atomic
+    from deltalens.io.outputs import Output, check_outputs
     from deltalens.presets import auto_preset, default_task
     from deltalens.tasks import get_task
 
+    # bad settings and an output that would destroy an input are refused before any data is read or model loads
+    check_probe_options(limit=limit, samples=samples, group=group, temperature=temperature,
+                        max_new_tokens=max_new_tokens, chat_template=chat_template, es_members=es_members,
+                        es_prompts=es_prompts, es_populations=es_populations, es_sigma=es_sigma, seed=seed,
+                        backend=backend)
+    check_outputs([Output(json_out, "--json")], models=[model], files=[data])
     t = get_task(task or default_task(model), data=data, question_field=question_field, answer_field=answer_field)
+    from deltalens.evaluation.cost import plan_line  # the sampled pass, the probe's main cost, stated first
+
+    c.console.print(c.escape(plan_line(what="probe", models=1, problems=len(t.split(split, limit)), samples=samples,
+                                       max_new_tokens=max_new_tokens or t.max_new_tokens, model=model,
+                                       backend=backend, dtype=dtype, device="cpu")), highlight=False, soft_wrap=True)
     with c.progress_bar() as bar:
         factory = c.bar_factory(bar)
         res = probe(model, t, split=split, limit=limit, samples=samples, group=group, temperature=temperature,

@@ -20,17 +20,23 @@ SmolLM2 on 2 CPU cores, docs/vllm.md); the ES populations always score on HF, as
 (local backend) decodes them, so their greedy rewards match training's. vLLM seeds its own sampler: the
 same `seed` draws other samples than HF does (same distribution), and its greedy decoding can differ
 from HF's on near-ties (different kernels).
+
+Every numeric and named setting is checked up front (`check_probe_options`), before a task's data is read
+or a model loads, with a one-line error naming the option: a group must hold at least two samples (one
+sample has no spread) and cut the samples evenly, a population at least two members, σ must be a positive
+finite number.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
 from deltalens.errors import DeltalensError
 from deltalens.evaluation.passk import summarize
 from deltalens.generation import BACKENDS, SamplingParams, backend_for_spec
-from deltalens.generation.prompts import problem_prompts
+from deltalens.generation.prompts import CHAT_MODES, problem_prompts
 from deltalens.io.models import load_model
 from deltalens.tasks import Task
 from deltalens.training.es.config import ESConfig
@@ -58,19 +64,58 @@ def verdict(grpo_share: float, es_share: float | None) -> str:
     return "reward is constant: pick an easier task or another model"
 
 
+def check_probe_options(*, limit: int | None = 200, samples: int = 32, group: int = 8, temperature: float = 1.0,
+                        max_new_tokens: int | None = None, chat_template: str = "auto", es_members: int = 8,
+                        es_prompts: int = 16, es_populations: int = 2, es_sigma: float | None = None,
+                        seed: int = 0, backend: str = "hf") -> None:
+    """Refuse (one DeltalensError naming the option) any setting `probe` would crash on or silently misread;
+    it reads no data and loads nothing, so commands call it first."""
+    if limit is not None and limit < 1:
+        raise DeltalensError(f"--limit must be >= 1 (got {limit})")
+    if samples < 1:
+        raise DeltalensError(f"--samples must be >= 1 (got {samples})")
+    # group before the divisibility test: --group 0 would divide by zero there
+    if group < 2:
+        raise DeltalensError(f"--group must be >= 2 (got {group}): a group of one has no spread")
+    if group > samples:
+        raise DeltalensError(f"--group {group} exceeds --samples {samples} (groups are cut from each prompt's "
+                             "samples); raise --samples or lower --group")
+    if samples % group:
+        raise DeltalensError(f"--samples {samples} must be a multiple of --group {group} (groups are cut from "
+                             "each prompt's samples)")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise DeltalensError(f"--temperature must be a finite number >= 0 (got {temperature}); 0 is greedy")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise DeltalensError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
+    if seed < 0:  # numpy's generators (the bootstrap of Pass@K) take no negative seed
+        raise DeltalensError(f"--seed must be >= 0 (got {seed})")
+    if chat_template not in CHAT_MODES:
+        raise DeltalensError(f"--chat-template must be auto, on or off (got {chat_template!r})")
+    if backend not in BACKENDS:
+        raise DeltalensError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if es_populations < 0:
+        raise DeltalensError(f"--es-populations must be >= 0 (got {es_populations}); 0 skips ES")
+    if es_populations == 0:
+        return  # the ES settings are unused
+    if es_members < 2:
+        raise DeltalensError(f"--es-members must be >= 2 (got {es_members}): a population of one has no spread")
+    if es_prompts < 1:
+        raise DeltalensError(f"--es-prompts must be >= 1 (got {es_prompts})")
+    # 0 must not fall back to the preset's sigma unnoticed, nor NaN reach the noise
+    if es_sigma is not None and not (math.isfinite(es_sigma) and es_sigma > 0):
+        raise DeltalensError(f"--es-sigma must be a finite number > 0 (got {es_sigma}); omit it for the preset's")
+
+
 def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int = 200, samples: int = 32,
           group: int = 8, temperature: float = 1.0, max_new_tokens: int | None = None, chat_template="auto",
           es_preset: str = "paper", es_members: int = 8, es_prompts: int = 16, es_populations: int = 2,
           es_sigma: float | None = None, seed: int = 0, dtype: str = "fp32", backend: str = "hf",
           log: Progress = lambda s: None, progress_factory=None) -> dict:
     """The probe section (see module docstring) for `model_spec` on `task`."""
-    if samples < group or samples % group:
-        raise DeltalensError(f"--samples {samples} must be a multiple of --group {group} (groups are cut from "
-                             "each prompt's samples)")
-    if group < 2:
-        raise DeltalensError(f"--group must be >= 2 (got {group}): a group of one has no spread")
-    if backend not in BACKENDS:  # before the sampling settings cost anything
-        raise DeltalensError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    check_probe_options(limit=limit, samples=samples, group=group, temperature=temperature,
+                        max_new_tokens=max_new_tokens, chat_template=chat_template, es_members=es_members,
+                        es_prompts=es_prompts, es_populations=es_populations, es_sigma=es_sigma, seed=seed,
+                        backend=backend)
     problems = task.split(split, limit)  # before any model loads: bad settings fail fast
     max_new = max_new_tokens or task.max_new_tokens
     cfg = None
@@ -79,7 +124,7 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
         batch = min(ESConfig.preset(es_preset).population_batch, es_members)
         cfg = ESConfig.preset(es_preset, model=model_spec, population=es_members, population_batch=batch,
                               prompts_per_iteration=es_prompts, max_new_tokens=max_new_tokens, seed=seed,
-                              chat_template=chat_template, **({"sigma": es_sigma} if es_sigma else {}))
+                              chat_template=chat_template, **({"sigma": es_sigma} if es_sigma is not None else {}))
         if cfg.antithetic and es_members % 2:
             raise DeltalensError(f"the {es_preset} ES preset uses antithetic pairs: --es-members must be even")
     t0 = time.perf_counter()
