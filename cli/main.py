@@ -10,6 +10,7 @@ import sys
 import typer
 
 from . import common
+from . import models as models_cmds
 from . import train as train_cmds
 from .demo import demo
 from .diff import diff_cmd, sparsify_cmd
@@ -46,6 +47,7 @@ def _root(version: bool = typer.Option(False, "--version", help="print the versi
 app.command("demo")(common.guard(demo))
 app.add_typer(train_cmds.app, name="train")
 app.add_typer(sweep_app, name="sweep")
+app.add_typer(models_cmds.app, name="models")
 app.command("eval")(common.guard(eval_cmd))
 app.command("probe")(common.guard(probe_cmd))
 app.command("study")(common.guard(study))
