@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from deltalens.training.es.config import ESConfig
 from deltalens.training.grpo.config import GRPOConfig
@@ -55,14 +56,16 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 def show(doc: dict, out: Path) -> None:
     ev = doc["evaluation"]
-    t = Table(title=f"sweep {doc['method']} on {doc['model']} ({doc['task']}): {ev['problems']} validation problems "
-                    f"x {ev['samples']} at T={ev['temperature']}; base Pass@1 {doc['base']['pass_at_1']:.3f}")
+    # model, task and point names are user text: Text(...) cells and titles are never read as rich markup
+    t = Table(title=Text(f"sweep {doc['method']} on {doc['model']} ({doc['task']}): {ev['problems']} validation "
+                         f"problems x {ev['samples']} at T={ev['temperature']}; base Pass@1 "
+                         f"{doc['base']['pass_at_1']:.3f}"))
     for col in ("point", "Pass@1", "minus base [95%]", "minus best [95%]", "reward"):
         t.add_column(col, justify="left" if col == "point" else "right", overflow="fold")
     for p in doc["points"]:
         best = p["name"] == doc["best"]
         lo, hi = p["vs_best_ci"]
-        t.add_row(f"[bold]{p['name']}[/]" if best else p["name"], f"{p['pass_at_1']:.3f}",
+        t.add_row(Text(p["name"], style="bold" if best else ""), f"{p['pass_at_1']:.3f}",
                   f"{p['vs_base']:+.3f} [{p['vs_base_ci'][0]:+.3f}, {p['vs_base_ci'][1]:+.3f}]",
                   "best" if best else f"{p['vs_best']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
                   + ("" if p["within_noise_of_best"] else " *"), f"{p['mean_reward']:.3f}")
@@ -70,7 +73,7 @@ def show(doc: dict, out: Path) -> None:
     if not all(p["within_noise_of_best"] for p in doc["points"]):
         c.console.print("* the interval against the best excludes 0: this point is worse than the best on "
                         "validation", highlight=False)
-    c.console.print(f"sweep: {out / 'sweep.json'}, {out / 'sweep.md'}")
+    c.console.print(f"sweep: {out / 'sweep.json'}, {out / 'sweep.md'}", markup=False, highlight=False)
 
 
 def _make(method: str, cls):

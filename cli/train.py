@@ -146,7 +146,7 @@ def summary(run_dir: Path) -> None:
         msg += f"  iterations {last['iteration']}  reward {train_rows[0]['reward_mean']:.3f} -> {last['reward_mean']:.3f}"
     if evals:
         msg += f"  held-out pass@1 {evals[0][1]:.3f} (it {evals[0][0]}) -> {evals[-1][1]:.3f} (it {evals[-1][0]})"
-    c.console.print(msg, highlight=False)
+    c.console.print(msg, highlight=False, markup=False)  # the run directory is user text
     typer.echo(str(run_dir))
 
 

@@ -17,6 +17,10 @@ From the fields, everything else is derived:
                                             wrong types and unused options refused before anything runs
     deltalens.cli.options                   typer options (name, help, type) for `deltalens train ...`
 
+A YAML file (`load_yaml`) is read within limits before anything is coerced: at most 64 KiB, 32 levels, 10,000
+values, integers of 100 characters, and no aliases (`*name`: the "billion laughs" expansion); a wrong value's
+message shows a bounded repr of it (`brief`), so no document makes a refusal slow, large or a traceback.
+
 State vs hyperparameters (evosax): a config holds hyperparameters only; what a resume needs besides
 them (step, seeds, checksums) lives in the run directory's state.json.
 
@@ -120,9 +124,11 @@ class Config:
     def check_keys(cls, d: dict, source: str) -> dict:
         """`d` with each value coerced to its field's type; unknown keys and wrong types are refused."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
+        unknown = sorted(set(d) - names, key=repr)  # a stage mapping's keys may be any YAML key
         if unknown:
-            raise DeltalensError(f"{source}: unknown {cls.NAME} option(s) {', '.join(map(repr, unknown))}; "
+            shown = ", ".join(brief(k, 40) for k in unknown[:5]) + (f" and {len(unknown) - 5} more"
+                                                                        if len(unknown) > 5 else "")
+            raise DeltalensError(f"{source}: unknown {cls.NAME} option(s) {shown}; "
                                  f"known: {', '.join(sorted(names))}")
         types = cls.types()
         return {k: coerce(v, types[k], k, source) for k, v in d.items()}
@@ -135,8 +141,8 @@ class Config:
 
     @classmethod
     def preset_values(cls, name: str) -> dict:
-        if name not in cls.PRESETS:
-            raise DeltalensError(f"unknown {cls.NAME} preset {name!r}; use one of {', '.join(cls.PRESETS)}")
+        if not isinstance(name, str) or name not in cls.PRESETS:  # a YAML `preset:` may be any value
+            raise DeltalensError(f"unknown {cls.NAME} preset {brief(name)}; use one of {', '.join(cls.PRESETS)}")
         return dict(cls.PRESETS[name])
 
     @classmethod
@@ -188,25 +194,59 @@ def _strip_optional(tp) -> tuple[Any, bool]:
     return tp, False
 
 
+def _clip(text: str, limit: int = 200) -> str:
+    """`text` as one line of at most `limit` characters (user text in a one-line error)."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+@functools.cache
+def _reprlib():
+    import reprlib
+
+    r = reprlib.Repr()
+    # a value's repr in a message walks at most a few levels and items (a shared or huge value would
+    # otherwise be walked whole before it is cut)
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset, r.maxfrozenset = 3, 4, 4, 4, 4, 4
+    r.maxstring, r.maxlong, r.maxother = 60, 40, 60
+    return r
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """A bounded repr of `value` for an error message (at most `limit` characters, bounded work)."""
+    return _clip(_reprlib().repr(value), limit)  # reprlib also survives a repr that raises
+
+
+class _Bad(Exception):
+    """A value that `_coerce` cannot convert; `coerce` turns it into the one-line message."""
+
+
 def coerce(value: Any, tp: Any, name: str, source: str) -> Any:
     """`value` as type `tp` (int, float, str, bool, tuples, optionals); a one-line error otherwise.
 
     Lenient only where YAML and the command line differ: a comma-separated string or a list for a
-    tuple, an int for a float. Booleans are never numbers and numbers never booleans.
+    tuple, an int for a float. Booleans are never numbers and numbers never booleans. The message
+    is built only once the value is known to be bad, and shows a bounded repr of it (`brief`).
     """
     inner, optional = _strip_optional(tp)
     if value is None:
         if optional:
             return None
         raise DeltalensError(f"{source}: {name} must be set, not null")
-    bad = DeltalensError(f"{source}: {name} must be {_type_name(inner)} (got {value!r})")
+    try:
+        return _coerce(value, inner, name, source)
+    except _Bad:
+        raise DeltalensError(f"{source}: {name} must be {_type_name(inner)} (got {brief(value)})") from None
+
+
+def _coerce(value: Any, inner: Any, name: str, source: str) -> Any:
     origin = typing.get_origin(inner)
     if origin is tuple:
         item = typing.get_args(inner)[0]
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
-            raise bad
+            raise _Bad
         return tuple(coerce(v, item, name, source) for v in value)
     if origin is typing.Union or isinstance(inner, type(int | str)):  # e.g. float | str (budget)
         for alt in typing.get_args(inner):
@@ -214,34 +254,40 @@ def coerce(value: Any, tp: Any, name: str, source: str) -> Any:
                 return coerce(value, alt, name, source)
             except DeltalensError:
                 continue
-        raise bad
+        raise _Bad
     if inner is bool:
         if isinstance(value, bool):
             return value
-        raise bad
+        raise _Bad
     if isinstance(value, bool):
-        raise bad
+        raise _Bad
     if inner is int:
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():  # items of a comma-separated list
-            return int(value)
-        raise bad
+        if isinstance(value, str) and len(value) <= MAX_INT_CHARS and value.strip().lstrip("-").isdigit():
+            try:  # items of a comma-separated list; isdigit() also accepts digits int() refuses ("²")
+                return int(value)
+            except ValueError:
+                raise _Bad from None
+        raise _Bad
     if inner is float:
         if isinstance(value, (int, float)):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an int beyond 1e308
+                raise _Bad from None
         if isinstance(value, str):
             try:
                 return float(value)
             except ValueError:
-                raise bad from None
-        raise bad
+                raise _Bad from None
+        raise _Bad
     if inner is str:
         if isinstance(value, str):
             return value
-        raise bad
+        raise _Bad
     return value
 
 
@@ -264,21 +310,109 @@ def check(checks: list[tuple[bool, str]]) -> None:
             raise DeltalensError(message)
 
 
+# Limits of a config file (`load_yaml`). A config is a mapping of a few dozen options, two levels deep at
+# most (a chain's `es:`/`grpo:` stages), so these are far above any real one and far below what hurts.
+MAX_YAML_BYTES = 64 * 1024  # the pure-Python composer takes ~1 s per 100 KB on a slow CPU
+MAX_YAML_DEPTH = 32  # the composer recurses per level: 5000 nested `[` would be a RecursionError
+MAX_YAML_NODES = 10_000  # scalars + collections
+MAX_INT_CHARS = 100  # int("9" * 5000) is a ValueError (Python's int-str limit); 1:2:3 sexagesimal loops
+
+
+class _YAMLLimit(Exception):
+    """A config file beyond one of the limits (the message names the line)."""
+
+
+@functools.cache
+def _limited_loader():
+    """SafeLoader with the limits checked while the node graph is composed, before anything is built.
+
+    Aliases (`*name`) are refused outright: no config needs them, and an alias to a collection is how a
+    0.7 KB "billion laughs" document expands to gigabytes (PyYAML shares the object, but anything that
+    walks it, a repr or a coercion, walks every expansion). Without aliases the document built is no
+    larger than the text, which the size limit bounds. Anchors alone (`&name`) are harmless and allowed.
+    """
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def __init__(self, stream):
+            super().__init__(stream)
+            self._depth = 0
+            self._nodes = 0
+
+        def compose_node(self, parent, index):
+            mark = self.peek_event().start_mark
+            if self.check_event(yaml.AliasEvent):
+                raise _YAMLLimit(f"line {mark.line + 1}: YAML aliases (*name) are not allowed in a config "
+                                 "file; write the value out")
+            self._nodes += 1
+            if self._nodes > MAX_YAML_NODES:
+                raise _YAMLLimit(f"line {mark.line + 1}: more than {MAX_YAML_NODES} values")
+            if self._depth >= MAX_YAML_DEPTH:
+                raise _YAMLLimit(f"line {mark.line + 1}: nested more than {MAX_YAML_DEPTH} levels deep")
+            self._depth += 1
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+        def construct_object(self, node, deep=False):
+            try:
+                return super().construct_object(node, deep)
+            except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
+                # an explicit tag on a value it cannot read (`!!int abc`, `!!bool 2`, `!!timestamp x`)
+                raise _YAMLLimit(f"line {node.start_mark.line + 1}: {brief(node.value)} is not a valid "
+                                 f"{node.tag.rsplit(':', 1)[-1]}") from None
+
+        def construct_yaml_int(self, node):
+            if isinstance(node.value, str) and len(node.value) > MAX_INT_CHARS:
+                raise _YAMLLimit(f"line {node.start_mark.line + 1}: an integer of {len(node.value)} characters "
+                                 f"(at most {MAX_INT_CHARS})")
+            return super().construct_yaml_int(node)
+
+    Loader.add_constructor("tag:yaml.org,2002:int", Loader.construct_yaml_int)
+    return Loader
+
+
+def _yaml_problem(e) -> str:
+    # a MarkedYAMLError's first line is often only its context ("while parsing a flow node"): give both
+    said = ", ".join(x for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    if said:
+        return f"line {mark.line + 1}: {said}" if mark is not None else said
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 def load_yaml(path: str | Path) -> dict:
-    """A YAML (or JSON) mapping from `path`, with one-line errors."""
+    """A YAML (or JSON) mapping from `path`, with one-line errors.
+
+    Read within limits (`MAX_YAML_*`, `MAX_INT_CHARS`; aliases refused: `_limited_loader`) so that no
+    document, however built, makes the loader or a later coercion run long, use much memory or recurse.
+    Only YAML's safe tags are built (`!!python/...` is refused).
+    """
     import yaml
 
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, "rb") as f:
+            raw = f.read(MAX_YAML_BYTES + 1)  # never read a huge file (or /dev/zero) whole
     except FileNotFoundError:
         raise DeltalensError(f"no such config file: {p}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DeltalensError(f"cannot read config file {p}: {e}") from None
+    except OSError as e:
+        raise DeltalensError(f"cannot read config file {p}: {e.strerror or e}") from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise DeltalensError(f"config file {p} is larger than {MAX_YAML_BYTES // 1024} KiB; a config is a "
+                             "mapping of option names to values")
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DeltalensError(f"cannot read config file {p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        data = yaml.load(text, Loader=_limited_loader())  # a SafeLoader: safe tags only
+    except _YAMLLimit as e:
+        raise DeltalensError(f"{p} is refused: {_clip(str(e))}") from None
     except yaml.YAMLError as e:
-        raise DeltalensError(f"{p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise DeltalensError(f"{p} is not valid YAML: {_clip(_yaml_problem(e))}") from None
     if data is None:
         return {}
     if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):

@@ -37,23 +37,62 @@ _TMP_FILE = re.compile(r"\..+\.tmp-[0-9a-f]{8}(\.[^.]*)?")
 _TMP_DIR = re.compile(r"(?P<name>.+)\.(?P<kind>tmp|old)-(?P<tag>[0-9a-f]{8})")
 
 
+_WHY = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+        errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.EROFS: "read-only file system",
+        errno.ENOTDIR: "a parent is not a directory", errno.EISDIR: "it is a directory",
+        errno.EFBIG: "file too large for this file system"}
+# safetensors' writer (Rust) reports an I/O failure as SafetensorError("Error while serializing: I/O error: No
+# space left on device (os error 28)"); torch.save's C++ writer as a RuntimeError without any errno: "[enforce
+# fail at inline_container.cc:672] . unexpected pos 576 vs 534", "PytorchStreamWriter failed writing file
+# data/0: file write failed" or, on a disk already full, "basic_ios::clear: iostream error"
+_SAFETENSORS_IO = ("I/O error", "IoError", "os error")
+_TORCH_WRITE = ("PytorchStreamWriter", "inline_container.cc", "basic_ios::clear", "iostream error",
+                "file write failed")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+NEARLY_FULL = 1 << 20  # bytes: a torch write failure with less free than this is the disk being full
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Bytes available to unprivileged writers on the file system of `path` (its nearest existing parent)."""
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return None
+
+
 def write_error(path: str | os.PathLike, e: BaseException) -> DeltalensError:
-    """One-line error for a failed write of `path` (OSError, or an I/O error safetensors reports)."""
-    if isinstance(e, OSError):
-        why = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-               errno.EACCES: "permission denied", errno.EPERM: "permission denied",
-               errno.EROFS: "read-only file system", errno.ENOTDIR: "a parent is not a directory",
-               errno.EISDIR: "it is a directory"}.get(e.errno, e.strerror or str(e))
+    """One-line error for a failed write of `path`: an OSError, safetensors' I/O error or torch.save's.
+
+    The errno names the cause (OSError, safetensors' "(os error N)"); torch.save gives none, so a full
+    file system is recognised by its free space, probed while the failed temporary still holds what it
+    wrote (callers translate before deleting it)."""
+    path = Path(path)
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None:
+        m = _OS_ERROR.search(str(e))
+        code = int(m[1]) if m else None
+    if code is None and isinstance(e, RuntimeError) and any(s in str(e) for s in _TORCH_WRITE):
+        free = _free_bytes(path.parent)
+        code = errno.ENOSPC if free is not None and free < NEARLY_FULL else None
+    if code in _WHY:
+        why = _WHY[code]
+    elif isinstance(e, OSError) and e.strerror:
+        why = e.strerror
     else:
-        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        lines = str(e).strip().splitlines()
+        why = " ".join(lines[0].split())[:200] if lines else type(e).__name__
     return DeltalensError(f"cannot write {path}: {why}")
 
 
 def _is_write_error(e: BaseException) -> bool:
-    # safetensors' writer (Rust) reports I/O failures as SafetensorError("... IoError(...)"), torch.save as
-    # RuntimeError("PytorchStreamWriter failed writing file ...")
-    return isinstance(e, OSError) or (type(e).__name__ == "SafetensorError" and "Io" in str(e)) or \
-        (isinstance(e, RuntimeError) and "PytorchStreamWriter" in str(e))
+    """An OSError, or what safetensors' and torch's writers raise for a failed write (see _TORCH_WRITE)."""
+    text = str(e)
+    return isinstance(e, OSError) or \
+        (type(e).__name__ == "SafetensorError" and any(s in text for s in _SAFETENSORS_IO)) or \
+        (isinstance(e, RuntimeError) and any(s in text for s in _TORCH_WRITE))
 
 
 def _tmp_name(path: Path, tag: str) -> Path:
@@ -83,10 +122,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except BaseException as e:
+        err = write_error(path, e) if _is_write_error(e) else None  # before the unlink frees the space
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if _is_write_error(e):
-            raise write_error(path, e) from None
+        if err is not None:
+            raise err from None
         raise
 
 
@@ -110,9 +150,10 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
     except BaseException as e:
+        err = write_error(path, e) if _is_write_error(e) else None  # before the rmtree frees the space
         shutil.rmtree(tmp, ignore_errors=True)
-        if _is_write_error(e):
-            raise write_error(path, e) from None
+        if err is not None:
+            raise err from None
         raise
     if path.exists() and not path.is_dir():
         shutil.rmtree(tmp, ignore_errors=True)

@@ -136,6 +136,7 @@ class RunDir:
         temporaries that a killed writer left (`deltalens.io.atomic.clean_stale`) are removed: under
         the lock they cannot belong to a live writer.
         """
+        created = [p for p in (self.path, self.path / LOCK_NAME) if not p.exists()]  # to undo on failure
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -148,8 +149,15 @@ class RunDir:
                 pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 raise DeltalensError(f"{self.path} is being written by another deltalens process (pid {pid}); "
                                      "wait for it to finish or stop it") from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:  # on a full disk even these few bytes fail: refuse now, not at the first checkpoint
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as e:
+                err = write_error(self.path / LOCK_NAME, e)
+                for made in reversed(created):  # leave behind nothing this call made
+                    with contextlib.suppress(OSError):
+                        made.rmdir() if made == self.path else made.unlink()
+                raise err from None
             for d in (self.path, self.ckpt):
                 clean_stale(d)
             (self.path / "metrics.jsonl.tmp").unlink(missing_ok=True)  # older deltalens' temporary
