@@ -1,7 +1,16 @@
-"""`deltalens eval`: Pass@K / Maj@K of one or more models on a task."""
+"""`deltalens eval`: Pass@K / Maj@K of one or more models on a task.
+
+The table goes to stdout (with `--json FILE` the whole analysis document to FILE), everything else to
+stderr: first a note when --k asks for more than --samples (those Ks become --samples), then the plan
+line (models x problems x samples, and an estimate from a rate measured here: `deltalens.evaluation.cost`)
+once the first model has loaded and before it generates, then progress. Each Pass@K has its standard error over problems beside it.
+`--log-samples FILE` writes every completion as JSONL (`deltalens.evaluation.samples`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -22,7 +31,7 @@ def eval_cmd(
     data: c.Data = None,
     question_field: c.QuestionField = "question",
     answer_field: c.AnswerField = "answer",
-    config: c.Config = None,
+    config: c.Arch = None,
     dtype: c.Dtype = "fp32",
     max_new_tokens: c.MaxNewTokens = None,
     seed: c.Seed = 0,
@@ -34,17 +43,28 @@ def eval_cmd(
                                                    "trained on (every iteration's prompts, up to its weights) "
                                                    "instead of a split, with the run's task")] = None,
     device: c.Device = "auto",
+    log_samples: Annotated[Path | None, typer.Option("--log-samples", help="write every completion as JSONL: "
+                                                     "one line per model x problem x sample (prompt, answer, "
+                                                     "completion, reward, correct)")] = None,
 ):
-    """Evaluate Pass@K and Maj@K (unbiased estimator, n samples per problem) and print a table."""
+    """Evaluate Pass@K (with its standard error over problems) and Maj@K (unbiased estimator, n samples per
+    problem); the table goes to stdout, logs and progress to stderr."""
     from deltalens.evaluation import evaluate_models
+    from deltalens.evaluation.cost import plan_line
     from deltalens.evaluation.options import check_eval_options
+    from deltalens.evaluation.passk import fit_ks, parse_ks
+    from deltalens.evaluation.samples import SampleLog
     from deltalens.io.atomic import write_json_atomic
+    from deltalens.io.hub import model_options
     from deltalens.io.outputs import Output, check_outputs
+    from deltalens.io.spec import resolve
     from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
-    check_eval_options(samples=samples, ks=k, temperature=temperature, limit=limit, max_new_tokens=max_new_tokens)
-    check_outputs([Output(json_out, "--json")], models=[*models, config], files=[data])
+    check_eval_options(samples=samples, temperature=temperature, limit=limit, max_new_tokens=max_new_tokens)
+    ks, note = fit_ks(parse_ks(k), samples)
+    check_outputs([Output(json_out, "--json"), Output(log_samples, "--log-samples")], models=[*models, config],
+                  files=[data])
     problems = None
     if trained_on is not None:
         from deltalens.errors import DeltalensError
@@ -61,12 +81,24 @@ def eval_cmd(
         split = split or "test"
         t = get_task(task or default_task(models[0]), data=data, question_field=question_field,
                      answer_field=answer_field)
-    with c.progress_bar() as bar:
-        factory = c.bar_factory(bar, "eval ")
-        result = evaluate_models(models, t, labels=label, config=config, dtype=dtype, samples=samples, ks=k,
+    for spec in models:  # a hub model the hub cannot give is refused now, in one line (deltalens.io.hub)
+        if resolve(spec).kind == "hub":
+            model_options(str(spec))
+    if note:
+        c.console.print(f"[yellow]note:[/] {c.escape(note)}", highlight=False, soft_wrap=True)
+    n_problems = len(t.split(split, limit) if problems is None else list(problems)[:limit])
+    # said once the first model has loaded, before it generates (c.FirstWork)
+    plan = c.FirstWork(plan_line(what="eval", models=len(models), problems=n_problems, samples=samples,
+                                 max_new_tokens=max_new_tokens or t.max_new_tokens, model=models[0],
+                                 backend=backend, dtype=dtype, device=device, config=config))
+    with contextlib.ExitStack() as stack:
+        slog = stack.enter_context(SampleLog(log_samples, t)) if log_samples is not None else None
+        bar = stack.enter_context(c.progress_bar())
+        result = evaluate_models(models, t, labels=label, config=config, dtype=dtype, samples=samples, ks=ks,
                                  temperature=temperature, limit=limit, max_new_tokens=max_new_tokens,
                                  seed=seed, backend=backend, chat_template=chat_template, device=device, split=split,
-                                 problems=problems, progress_factory=factory)
+                                 problems=problems, progress_factory=plan.factory(c.bar_factory(bar, "eval ")),
+                                 on_samples=None if slog is None else slog.add)
     first = next(iter(result["evals"].values()))
     where = f"the prompts {trained_on} trained on" if trained_on is not None else split
     table = Table(title=f"{t.name} ({where}): {first['n_problems']} problems x {samples} samples, T={temperature}"
@@ -76,15 +108,24 @@ def eval_cmd(
     mks = [kk for kk in ks if kk != "1"]  # Maj@1 is Pass@1 by definition (one sample votes alone)
     for kk in ks:
         table.add_column(f"Pass@{kk}", justify="right")
+        table.add_column(f"SE@{kk}", justify="right", style="dim")
     for kk in mks:
         table.add_column(f"Maj@{kk}", justify="right")
     table.add_column("reward", justify="right")
     table.add_column("format", justify="right")
     table.add_column("gen s", justify="right")
     for lbl, r in result["evals"].items():
-        table.add_row(lbl, *[f"{r['pass_at_k'][x]:.3f}" for x in ks], *[f"{r['maj_at_k'][x]:.3f}" for x in mks],
+        passes = [cell for x in ks for cell in (f"{r['pass_at_k'][x]:.3f}", _se(r["pass_at_k_se"][x]))]
+        table.add_row(lbl, *passes, *[f"{r['maj_at_k'][x]:.3f}" for x in mks],
                       f"{r['mean_reward']:.3f}", f"{r['format_rate']:.2f}", f"{r['timing']['generate_s']:.1f}")
-    c.console.print(table)
+    c.out.print(table, width=max(c.out.width, 160) if not c.out.is_terminal else None)
+    if slog is not None:
+        c.console.print(f"wrote {c.escape(str(log_samples))} ({slog.lines} completions)", highlight=False)
     if json_out is not None:
         write_json_atomic(result, json_out)
         c.console.print(f"wrote {json_out}")
+
+
+def _se(se: float | None) -> str:
+    """A standard error for the table ('-' for one problem, where it is undefined)."""
+    return "-" if se is None else f"{se:.3f}"

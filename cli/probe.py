@@ -54,13 +54,13 @@ def probe_cmd(
                         backend=backend)
     check_outputs([Output(json_out, "--json")], models=[model], files=[data])
     t = get_task(task or default_task(model), data=data, question_field=question_field, answer_field=answer_field)
-    from deltalens.evaluation.cost import plan_line  # the sampled pass, the probe's main cost, stated first
+    from deltalens.evaluation.cost import plan_line  # the sampled pass, the probe's main cost, said before it
 
-    c.console.print(c.escape(plan_line(what="probe", models=1, problems=len(t.split(split, limit)), samples=samples,
-                                       max_new_tokens=max_new_tokens or t.max_new_tokens, model=model,
-                                       backend=backend, dtype=dtype, device="cpu")), highlight=False, soft_wrap=True)
+    plan = c.FirstWork(plan_line(what="probe", models=1, problems=len(t.split(split, limit)), samples=samples,
+                                 max_new_tokens=max_new_tokens or t.max_new_tokens, model=model, backend=backend,
+                                 dtype=dtype, device="cpu"))
     with c.progress_bar() as bar:
-        factory = c.bar_factory(bar)
+        factory = plan.factory(c.bar_factory(bar))
         res = probe(model, t, split=split, limit=limit, samples=samples, group=group, temperature=temperature,
                     max_new_tokens=max_new_tokens, chat_template=chat_template, es_preset=preset or auto_preset(model),
                     es_members=es_members, es_prompts=es_prompts, es_populations=es_populations, es_sigma=es_sigma,

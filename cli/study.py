@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from deltalens.study.config import StudyConfig
 
@@ -19,19 +20,19 @@ from . import options as o
 def show(doc: dict, out: Path) -> None:
     """The verdict table on the terminal."""
     study = doc["study"]
-    t = Table(title=f"deltalens study: {study['config']['model']} on {study['config']['task']}")
+    t = Table(title=Text(f"deltalens study: {study['config']['model']} on {study['config']['task']}"))  # user text
     for col in ("claim", "check", "estimate", "95% interval", "verdict"):
         t.add_column(col, justify="right" if col in ("estimate", "95% interval") else "left")
     for cl in study["claims"]:
-        t.add_row(f"({cl['id']})", cl["title"][:60], "", "", f"[bold]{cl['verdict']}[/]")
+        t.add_row(f"({cl['id']})", Text(cl["title"][:60]), "", "", Text(cl["verdict"], style="bold"))
         for ch in cl["checks"]:
             est, lo, hi = ch["estimate"], ch["ci_low"], ch["ci_high"]
-            t.add_row("", ch["check"], "-" if est is None else f"{est:.3g}",
-                      "-" if lo is None or hi is None else f"[{lo:.3g}, {hi:.3g}]", ch["verdict"])
+            t.add_row("", Text(ch["check"]), "-" if est is None else f"{est:.3g}",
+                      "-" if lo is None or hi is None else f"[{lo:.3g}, {hi:.3g}]", Text(ch["verdict"]))
     c.console.print(t)
     c.console.print(study["rule"], highlight=False)
     c.console.print(f"report: {out / 'report.html'}  analysis: {out / 'analysis.json'}  verdicts: "
-                    f"{out / 'verdicts.csv'}, {out / 'verdicts.md'}")
+                    f"{out / 'verdicts.csv'}, {out / 'verdicts.md'}", markup=False, highlight=False)
 
 
 def _run(kwargs: dict) -> None:
@@ -40,10 +41,41 @@ def _run(kwargs: dict) -> None:
     given = o.given(kwargs, StudyConfig)
     cfg = StudyConfig.resolve(given={**given, "model": kwargs["model"]})
     out = kwargs["out"]
+    # said once the study's own up-front checks passed (a refusal stays one line): at its first log line or
+    # progress bar, which come before any training or evaluation
+    plan = c.FirstWork(*_plan(cfg, Path(out)))
     with c.progress_bar() as bar:
-        factory = c.bar_factory(bar)
-        doc = run_study(cfg, out, log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"), progress_factory=factory)
+        doc = run_study(cfg, out, log=plan.log(lambda s: c.console.print(f"[dim]{c.escape(s)}[/]")),
+                        progress_factory=plan.factory(c.bar_factory(bar)))
     show(doc, Path(out))
+
+
+def _plan(cfg: StudyConfig, out: Path) -> list[str]:
+    """The study's evaluations, stated before it starts (`deltalens.evaluation.cost`): Pass@K of the base
+    (each sampling seed) and of every run, and the sparsity sweeps (full update, then threshold, random mask
+    and shrink at each sparsity) of the first seed's ES and GRPO runs. Training comes on top. Nothing when
+    the task cannot be built: the study reports that itself."""
+    from deltalens.errors import DeltalensError
+    from deltalens.evaluation.cost import plan_line
+    from deltalens.tasks import get_task
+
+    try:
+        task = get_task(cfg.task)
+        problems = len(task.test(cfg.limit))
+    except DeltalensError:
+        return []
+    common = {"problems": problems, "max_new_tokens": task.max_new_tokens, "model": cfg.model,
+              "backend": cfg.backend, "device": "cpu"}
+    runs = len(cfg.methods) * len(cfg.seeds)
+    lines = [plan_line(what=f"study Pass@K (the base at {cfg.base_seeds} sampling seeds, {runs} runs)",
+                       models=cfg.base_seeds + runs, samples=cfg.samples, **common)]
+    sparse_runs = sum(m in ("es", "grpo") for m in cfg.methods)
+    if sparse_runs and cfg.sparsity:
+        lines.append(plan_line(what="study sparsity", models=sparse_runs, points=1 + 3 * len(cfg.sparsity),
+                               samples=cfg.sparsify_samples, **common))
+    if (out / "cache").is_dir():
+        lines.append(f"(a rerun: what {out / 'cache'} already holds is not computed again)")
+    return lines
 
 
 def _params() -> list[inspect.Parameter]:

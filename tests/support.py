@@ -67,29 +67,43 @@ def max_weight_diff(a: dict, b: dict) -> float:
 
 
 class CliResult:
-    def __init__(self, exit_code: int, output: str):
-        self.exit_code, self.output = exit_code, output
+    """exit_code; output: everything printed, stdout and stderr interleaved as printed; stdout and stderr:
+    each stream alone (results vs logs, progress and errors)."""
+
+    def __init__(self, exit_code: int, output: str, stdout: str = "", stderr: str = ""):
+        self.exit_code, self.output, self.stdout, self.stderr = exit_code, output, stdout, stderr
 
     def __repr__(self):
-        return f"CliResult(exit_code={self.exit_code}, output={self.output!r})"
+        return f"CliResult(exit_code={self.exit_code}, stdout={self.stdout!r}, stderr={self.stderr!r})"
 
 
 def run_cli(args) -> CliResult:
     """Run `deltalens ARGS` in-process through `deltalens.cli.main.main` (alias rewriting and the one error
-    handler included); returns the exit code and everything printed (stdout and stderr together)."""
+    handler included); returns the exit code and what was printed: `output` (stdout and stderr together,
+    in order), `stdout` and `stderr` (each alone). Neither stream is a terminal."""
     import contextlib
     import io
 
     from deltalens.cli.main import main
 
-    buf = io.StringIO()
+    class Tee(io.StringIO):  # one stream's text, also appended to the shared buffer
+        def __init__(self, both: io.StringIO):
+            super().__init__()
+            self.both = both
+
+        def write(self, s):
+            self.both.write(s)
+            return super().write(s)
+
+    both = io.StringIO()
+    out, err = Tee(both), Tee(both)
     code = 0
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             main([str(a) for a in args])
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return CliResult(code, buf.getvalue())
+    return CliResult(code, both.getvalue(), out.getvalue(), err.getvalue())
 
 
 _HOLD_LOCK = ("import fcntl, os, sys, time\n"

@@ -9,11 +9,19 @@ non-empty answer wins (ties split evenly, counted as the expected value), correc
 We report its expectation over size-k subsets of the n samples: exact for k = 1 (= c/n) and k = n; for
 1 < k < n the mean over `maj_subsets` random subsets (seeded; a Monte Carlo estimate, not exact).
 
-Defaults follow the paper: 32 samples at temperature 0.6, K in {1, 16, 32}.
+Each Pass@K comes with its standard error over problems (`pass_at_k_se`): the sample standard deviation
+of the per-problem unbiased estimates divided by sqrt(P), P the number of problems. It measures how much
+the estimate would move with another draw of problems (and of samples), not the bootstrap of
+`deltalens.analysis.stats`; it is None for a single problem.
+
+Defaults follow the paper: 32 samples at temperature 0.6, K in {1, 16, 32}. `fit_ks` fits the Ks to the
+samples drawn: Pass@K needs K <= n, so the Ks above n are replaced by n itself (the largest K n samples
+estimate), with a note saying so; only a request whose every K exceeds n is refused.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -112,6 +120,38 @@ def parse_ks(text: str | Sequence[int]) -> list[int]:
     return ks
 
 
+def fit_ks(ks: Sequence[int], samples: int) -> tuple[list[int], str | None]:
+    """(the Ks n=`samples` samples can estimate, a note or None): the Ks above n are dropped and n itself
+    takes their place (added if absent), e.g. ([1, 16, 32], 8) -> ([1, 8], '--k 16,32 exceed --samples 8:
+    reporting Pass@1,8'). When no K is <= n nothing of the request can be reported: a DeltalensError."""
+    ks = sorted(set(ks))
+    over = [k for k in ks if k > samples]
+    if not over:
+        return ks, None
+    if len(over) == len(ks):
+        raise DeltalensError(f"--k {','.join(map(str, over))} {'exceeds' if len(over) == 1 else 'exceed'} "
+                             f"--samples {samples}; raise --samples or lower --k")
+    kept = sorted({k for k in ks if k <= samples} | {samples})
+    verb = "exceeds" if len(over) == 1 else "exceed"
+    return kept, (f"--k {','.join(map(str, over))} {verb} --samples {samples}: "
+                  f"reporting Pass@{','.join(map(str, kept))}")
+
+
+def standard_error(values: Sequence[float]) -> float | None:
+    """Standard error of the mean of `values`: sample standard deviation (n-1) / sqrt(n); None for n < 2."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return math.sqrt(var) / math.sqrt(n)
+
+
+def pass_at_k_se(counts: Sequence[tuple[int, int]], k: int) -> float | None:
+    """Standard error over problems of Pass@k from (n samples, c correct) per problem."""
+    return standard_error([pass_at_k(n, c, k) for n, c in counts])
+
+
 def summarize(task: Task, problems: list[Problem], completions: list[list[str]], ks: list[int],
               maj_subsets: int = 200, seed: int = 0, keep_completions: int = 0) -> dict:
     """Pass@K/Maj@K curves and per-problem results from completions[i][j] (problem i, sample j)."""
@@ -142,10 +182,12 @@ def summarize(task: Task, problems: list[Problem], completions: list[list[str]],
             row["completions"] = comps[:keep_completions]
         per_problem.append(row)
     m = len(problems)
+    counts = [(row["n"], row["correct"]) for row in per_problem]
     curve_pass = [s / m for s in pass_sum]
     curve_maj = [s / m for s in maj_sum]
     return {
         "pass_at_k": {str(k): curve_pass[k - 1] for k in ks},
+        "pass_at_k_se": {str(k): pass_at_k_se(counts, k) for k in ks},
         "maj_at_k": {str(k): curve_maj[k - 1] for k in ks},
         "curve": {"k": curve_k, "pass": curve_pass, "maj": curve_maj},
         "mean_reward": sum(rewards) / len(rewards),

@@ -148,26 +148,36 @@ class GSM8KTask(JsonlTask):
 
 
 def _gsm8k_from_hub() -> Path:
-    """Download GSM8K test/train via `datasets` into a cache dir of jsonl files."""
+    """Download GSM8K test/train via `datasets` into the cache dir as jsonl files (once). Offline, one line
+    saying to pass --data, without the hub client's retries (`deltalens.io.hub`)."""
+    from deltalens.io import hub
+    from deltalens.io.cache import cache_dir
+
+    cache = cache_dir() / "gsm8k"
+    if (cache / "test.jsonl").exists():
+        return cache
     try:
         import datasets  # noqa: F401
     except ImportError as e:
         raise DeltalensError("gsm8k needs --data PATH (a jsonl or a dir with test.jsonl), "
                              "or `pip install datasets` to fetch it from the hub") from e
+    why = hub.unreachable()
+    if why is not None:
+        raise DeltalensError(f"gsm8k is not cached here and the hub is unreachable ({why}); pass --data PATH "
+                             "to a local copy (a jsonl, or a directory with test.jsonl and train.jsonl)")
     from datasets import load_dataset
 
-    cache = Path.home() / ".cache" / "deltalens" / "gsm8k"
-    if not (cache / "test.jsonl").exists():
-        try:
+    try:
+        with hub.quiet():
             ds = load_dataset("openai/gsm8k", "main")
-        except Exception as e:  # offline, hub down, ...
-            raise DeltalensError(f"could not fetch GSM8K from the hub ({type(e).__name__}); "
-                                 "pass --data PATH to a local copy") from e
-        cache.mkdir(parents=True, exist_ok=True)
-        for split in ("train", "test"):
-            tmp = cache / f".{split}.jsonl.tmp"
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n"
-                             for row in ds[split])
-            tmp.replace(cache / f"{split}.jsonl")
+    except Exception as e:  # hub down, refused, rate-limited, ...: datasets raises many kinds
+        raise DeltalensError(f"could not fetch GSM8K from the hub ({type(e).__name__}); "
+                             "pass --data PATH to a local copy") from e
+    cache.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        tmp = cache / f".{split}.jsonl.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n"
+                         for row in ds[split])
+        tmp.replace(cache / f"{split}.jsonl")
     return cache
