@@ -91,7 +91,7 @@ def progress_bar(transient: bool = False) -> Progress:
     if mode == "0":
         return Progress(console=console, disable=True)
     if mode == "1" or sys.stderr.isatty():
-        return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        return Progress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                         console=console, transient=transient)
     return PlainProgress(progress_every())

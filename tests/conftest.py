@@ -5,6 +5,13 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Measured generation rates (deltalens.evaluation.cost) go to a per-run folder, so no test reads a rate this
+# machine measured earlier and the suite leaves nothing in ~/.cache/deltalens. Named models
+# (DELTALENS_MODELS_DIR) stay where they are: real-model tests use what `deltalens models fetch` assembled.
+if "DELTALENS_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["DELTALENS_CACHE_DIR"] = tempfile.mkdtemp(prefix="deltalens-test-cache-")
 
 
 @pytest.fixture(scope="session")

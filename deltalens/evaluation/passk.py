@@ -180,6 +180,7 @@ def summarize(task: Task, problems: list[Problem], completions: list[list[str]],
                "maj_at_k": {str(k): maj[k - 1] for k in ks}}  # per problem, for paired statistics
         if keep_completions:
             row["completions"] = comps[:keep_completions]
+            row["completions_correct"] = ok[:keep_completions]  # the report marks each one
         per_problem.append(row)
     m = len(problems)
     counts = [(row["n"], row["correct"]) for row in per_problem]

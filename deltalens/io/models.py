@@ -4,6 +4,16 @@ The tokenizer always comes from the same place as the architecture; bare weight 
 an architecture given by `config=` (any spec), else the config.json beside the file. Weight files are
 read through `deltalens.io.tensors` (`.pt` always with weights_only=True).
 
+Every model handed out holds exactly the tensors of its architecture, all read from its checkpoint: a
+checkpoint that lacks a tensor (truncated, hand-edited, another model's) would otherwise run on the
+randomly initialized values transformers fills in (its only sign a "newly initialized" report), and
+one with extra tensors would silently ignore them. Both are refused at load, before any command does
+work, naming the tensors: for bare files by comparing names with the architecture's state dict
+(`apply_state_dict`), for everything from_pretrained loads (HF and run directories, hub ids, GGUF) from
+its loading report (`output_loading_info`). Both leave out what is legitimately absent from a
+checkpoint: a tied lm_head.weight and non-persistent buffers (rotary inv_freq), which are not in the
+state dict to begin with.
+
 Every model handed out (and every state dict applied onto one) has finite weights: a NaN or Inf weight
 makes generation fail deep inside sampling (torch.multinomial), so it is refused here with the names of
 the offending tensors. `weights_checksum` identifies a model's exact weights (ES and GRPO store it with
@@ -12,7 +22,9 @@ each checkpoint and verify it on resume).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -75,6 +87,10 @@ def _pretrained(auto_cls, ref: ModelRef, **kw):
     if kind == "gguf":
         _need_gguf(loc)
         kw["gguf_file"] = loc.name
+    if kind == "hub":  # offline: the local HF cache only, else one line (no retries): deltalens.io.hub
+        from deltalens.io.hub import model_options
+
+        kw.update(model_options(str(loc)))
     with quiet_transformers(gguf=kind == "gguf"):
         return auto_cls.from_pretrained(str(loc.parent if kind == "gguf" else loc), **kw)
 
@@ -96,12 +112,61 @@ def load_tokenizer(ref: ModelRef):
     return tok
 
 
+def _names(names) -> str:
+    """Up to three tensor names of a mismatch, then how many more."""
+    names = sorted(names)
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
+
+
+def _mismatch(missing, unexpected) -> str:
+    """'missing A, B; unexpected C' (the parts that are non-empty)."""
+    parts = [f"missing {_names(missing)}"] if missing else []
+    return "; ".join(parts + ([f"unexpected {_names(unexpected)}"] if unexpected else []))
+
+
+def _check_loading_info(model, info: dict, loc) -> None:
+    """Refuse a from_pretrained load whose checkpoint lacks (randomly initialized), adds (ignored) or
+    reshapes tensors. transformers already leaves tied weights and the keys a model declares ignorable
+    out of these sets."""
+    missing, unexpected = set(info.get("missing_keys") or ()), set(info.get("unexpected_keys") or ())
+    if missing or unexpected:
+        arch = type(model).__name__
+        raise DeltalensError(f"{loc} does not match its architecture ({arch}): {_mismatch(missing, unexpected)}; "
+                             "it would run with randomly initialized or ignored weights")
+    for name, file_shape, model_shape in sorted(info.get("mismatched_keys") or ()):
+        raise DeltalensError(f"{loc}: shape mismatch for {name}: file {tuple(file_shape)} vs model "
+                             f"{tuple(model_shape)} (the weights are for another architecture)")
+
+
+@contextlib.contextmanager
+def _no_load_report():
+    """transformers logs a multi-line "LOAD REPORT" table of missing/unexpected/mismatched tensors as a
+    warning; `_check_loading_info` refuses those loads with one line of its own, so the table is muted."""
+    # a filter, not a level: transformers runs (and logs) an unrelated tensor-parallel plan check whenever
+    # this logger's own level is WARNING or above
+    log = logging.getLogger("transformers.modeling_utils")
+
+    def drop(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
 def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     kind, loc = ref.kind, ref.location
     try:
-        return _pretrained(AutoModelForCausalLM, ref, dtype=dtype)
+        # sizes that do not match are reported (and refused by _check_loading_info), not raised by
+        # transformers with a pointer to the report muted here
+        with _no_load_report():
+            model, info = _pretrained(AutoModelForCausalLM, ref, dtype=dtype, output_loading_info=True,
+                                      ignore_mismatched_sizes=True)
     except DeltalensError:
         raise
     except ImportError as e:
@@ -115,6 +180,8 @@ def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
     except Exception as e:
         raise DeltalensError(f"could not load a model from {loc} ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:200]})") from e
+    _check_loading_info(model, info, loc)
+    return model
 
 
 def _architecture(loc, config: str | None) -> str:
@@ -152,9 +219,8 @@ def apply_state_dict(model, state_dict: dict[str, torch.Tensor], source: str = "
     missing = sorted(set(own) - set(state_dict) - tied)
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
-        raise DeltalensError(
-            f"{source} does not match the architecture: missing {missing[:3]}{'...' if len(missing) > 3 else ''}"
-            f", unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}; pass the right --config")
+        raise DeltalensError(f"{source} does not match the architecture: {_mismatch(missing, unexpected)}; "
+                             "pass the right --config")
     for k, v in state_dict.items():
         if tuple(v.shape) != tuple(own[k].shape):
             raise DeltalensError(f"{source}: shape mismatch for {k}: file {tuple(v.shape)} vs "

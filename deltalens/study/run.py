@@ -19,6 +19,10 @@ content hash of what it depends on (a rerun recomputes nothing that is done):
 and tests each claim of arXiv 2608.27351 as a set of directional checks with bootstrap intervals
 (`deltalens.analysis.stats`; the rule is stated in the report). Output: DIR/analysis.json (valid against
 the schema, with the verdict table under `study`), DIR/report.html, DIR/verdicts.csv.
+
+DIR/study.json pins the settings the runs depend on (a rerun may add seeds or methods, not change them).
+Everything a study can be refused for is checked before DIR is created or that file written
+(`validate_study`), so a refused study never blocks its own corrected retry.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from deltalens.analysis.report import Cache, training_section, weights_hash
 from deltalens.errors import DeltalensError
 from deltalens.evaluation import evaluate, evaluate_state_dict
 from deltalens.evaluation.passk import pass_at_k
+from deltalens.generation.prompts import uses_chat
 from deltalens.io.atomic import atomic_path, pin_json, write_json_atomic
 from deltalens.io.models import load_model
 from deltalens.io.outputs import Output, check_outputs
@@ -50,6 +55,7 @@ from deltalens.training.es.train import train_es
 from deltalens.training.grpo.config import GRPOConfig
 from deltalens.training.grpo.train import train_grpo
 from deltalens.training.launch import train_unless_finished
+from deltalens.training.run import make_task
 
 NORM_ATTN = ("norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o", "attn_bias")
 EMBED_HEAD = ("embed", "lm_head")
@@ -285,16 +291,12 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
 
     out = Path(out)
     check_outputs([Output(out, "--out", directory=True)], models=[cfg.model])
+    if (out / "study.json").exists():
+        _check_study_file(cfg, out)  # another study's DIR is refused first (read only: the file exists)
+    plan = validate_study(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     _check_study_file(cfg, out)
-    if cfg.backend == "vllm":
-        from deltalens.generation.vllm import check_weight_loading, import_vllm
-
-        import_vllm()  # a missing vLLM is said now, not after hours of training
-        if {"es", "grpo"} & set(cfg.methods):  # the sparsity step loads state dicts into the base's engine
-            check_weight_loading(cfg.model)
     t0 = time.time()
-    plan = run_plan(cfg, out)
     train_runs(cfg, plan, log, progress_factory)
     m = Measures(cfg, out, log, progress_factory)
     try:
@@ -513,6 +515,28 @@ def _diversity(cfg: StudyConfig, m: Measures, run: dict, out: Path, log: Log) ->
         samples=4, temperature=cfg.temperature, chat_template=cfg.chat_template), log)
     # the run and its checkpoint as the rest of the document names them: relative to DIR, not this machine's paths
     return {**div, **{k: _shown(div[k], out) for k in ("model", "centre") if isinstance(div.get(k), str)}}
+
+
+def validate_study(cfg: StudyConfig, out: Path) -> list[dict]:
+    """Refuse everything a study can be refused for before DIR is created or written (issue #36): DIR/study.json
+    pins the settings a retry must repeat, so pinning a refused study would make its own corrected retry
+    "a study with other settings". Checks the task (and held-out tasks) with their data, the preset and
+    budget of every run (`run_plan`), the model (loaded once: a missing, corrupt or incomplete checkpoint is
+    refused by `load_model`) and its chat template setting, and with --backend vllm that vLLM is there.
+    Returns the run plan."""
+    plan = run_plan(cfg, out)
+    make_task(next(iter(plan[0]["configs"].values())))  # every run trains on the study's one task
+    for name in cfg.held_out:
+        get_task(name).test()
+    _, tok = load_model(cfg.model)  # the weights are dropped again: each run loads its own copy
+    uses_chat(tok, cfg.chat_template)
+    if cfg.backend == "vllm":
+        from deltalens.generation.vllm import check_weight_loading, import_vllm
+
+        import_vllm()  # a missing vLLM is said now, not after hours of training
+        if {"es", "grpo"} & set(cfg.methods):  # the sparsity step loads state dicts into the base's engine
+            check_weight_loading(cfg.model)
+    return plan
 
 
 def _check_study_file(cfg: StudyConfig, out: Path) -> None:

@@ -23,7 +23,9 @@ settings) are pinned in DIR/sweep-settings.json: a rerun may add grid values or 
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,11 +33,12 @@ from pathlib import Path
 
 from deltalens.analysis import stats
 from deltalens.analysis.report import Cache, weights_hash
-from deltalens.config import Config, coerce, flag_name
+from deltalens.config import Config, brief, coerce, flag_name
 from deltalens.errors import DeltalensError
 from deltalens.evaluation import evaluate
 from deltalens.evaluation.options import check_eval_options
 from deltalens.evaluation.passk import pass_at_k
+from deltalens.generation.prompts import uses_chat
 from deltalens.io.atomic import atomic_path, pin_json, write_json_atomic
 from deltalens.io.models import load_model
 from deltalens.io.outputs import Output, check_outputs
@@ -100,9 +103,33 @@ def parse_grid(method: str, specs: list[str]) -> dict[str, list]:
     return grid
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
+MAX_POINT_NAME = 80  # + "-s<seed>": far below any file system's limit on a name
+
+
+def _value_text(v) -> str:
+    # a float as `:g` where that is exact (the names of earlier sweeps), else its shortest exact repr
+    if isinstance(v, float):
+        g = f"{v:g}"
+        return g if float(g) == v else repr(v)
+    if isinstance(v, tuple):
+        return ",".join(map(_value_text, v))
+    return str(v)
+
+
 def point_name(point: dict) -> str:
-    """A directory name for a grid point: 'sigma=0.003_alpha=0.0015'."""
-    return "_".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in point.items())
+    """A directory name for a grid point: 'sigma=0.003_alpha=0.0015'.
+
+    Grid values are user text (`--grid 'params=*[/../esc/]*'`), so a name holds only [A-Za-z0-9._=-],
+    never '..', and at most MAX_POINT_NAME characters: where the plain name is not already that, it is a
+    slug of it plus 8 hex digits of the sha256 of the exact values (distinct points, distinct names).
+    """
+    exact = "_".join(f"{k}={_value_text(v)}" for k, v in point.items())
+    if not _UNSAFE.search(exact) and ".." not in exact and len(exact) <= MAX_POINT_NAME:
+        return exact
+    slug = re.sub(r"\.{2,}", ".", _UNSAFE.sub("_", exact))
+    digest = hashlib.sha256(repr(sorted(point.items(), key=lambda kv: kv[0])).encode()).hexdigest()[:8]
+    return f"{slug[:MAX_POINT_NAME - 9]}-{digest}"
 
 
 def plan(method: str, grid: dict[str, list], fixed: dict, *, preset: str | None, ev: Evaluation,
@@ -114,15 +141,29 @@ def plan(method: str, grid: dict[str, list], fixed: dict, *, preset: str | None,
         raise DeltalensError(f"{', '.join(flag_name(k) for k in clash)} given both as a fixed option and in --grid")
     if "seed" in fixed:
         raise DeltalensError("--seed is per run in a sweep; use --seeds 0,1,2")
-    runs = []
+    runs, named = [], {}
     for values in itertools.product(*grid.values()):
         point = dict(zip(grid, values))
+        name = point_name(point)
+        if named.setdefault(name, point) is not point:  # e.g. 'params=a_x=b' vs 'params=a', 'x=b'
+            raise DeltalensError(f"--grid points {brief(named[name])} and {brief(point)} would share the run "
+                                 f"directory {name}; change one of their values")
         for seed in ev.seeds:
             cfg = cls.resolve(preset=preset, given={**fixed, **point, "seed": seed}, source="--grid")
             total = cfg.iterations if method == "es" else cfg.steps
-            runs.append({"point": point, "name": point_name(point), "seed": seed, "config": cfg, "total": total,
-                         "dir": out / "runs" / f"{point_name(point)}-s{seed}"})
+            runs.append({"point": point, "name": name, "seed": seed, "config": cfg, "total": total,
+                         "dir": _run_dir(out, f"{name}-s{seed}")})
     return runs
+
+
+def _run_dir(out: Path, name: str) -> Path:
+    """DIR/runs/NAME, refused unless it lies inside DIR/runs (point_name's names always do; a link put
+    there pointing elsewhere does not)."""
+    runs = out / "runs"
+    d = runs / name
+    if d.parent != runs or not d.resolve().is_relative_to(runs.resolve()):
+        raise DeltalensError(f"{d} leads outside {runs}; remove it or choose another --out")
+    return d
 
 
 def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, *, preset: str | None = None,
@@ -146,6 +187,11 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
                     answer_field=first.answer_field)
     if ev.limit is None and len(task.validation()) < 2 or ev.limit is not None and ev.limit < 2:
         raise DeltalensError("--val-limit must leave at least 2 validation problems (intervals need them)")
+    # a missing, corrupt or incomplete model and `--chat-template on` without a template are refused before
+    # DIR/sweep-settings.json pins the settings: else the corrected retry would be "a sweep with other settings"
+    _, tok = load_model(model)
+    uses_chat(tok, first.chat_template)
+    del _, tok
     out.mkdir(parents=True, exist_ok=True)
     diff = pin_json({"method": method, "model": model, "preset": preset, "fixed": {k: str(v) for k, v in fixed.items()},
                      "limit": ev.limit, "samples": ev.samples, "temperature": ev.temperature}, out / "sweep-settings.json")

@@ -115,10 +115,10 @@ class ChainConfig(Config):
     def resolve(cls, *, preset=None, yaml=None, given=None, stored=None, source="the config file") -> ChainConfig:
         """As Config.resolve, with the stage option mappings merged key by key (command line wins)."""
         yaml, given = dict(yaml or {}), dict(given or {})
-        stages = {m: {**(yaml.pop(m, None) or {}), **(given.pop(m, None) or {})} for m in METHODS}
-        for m in METHODS:
-            if not isinstance(stages[m], dict):
+        for m in METHODS:  # before merging: `{**[1]}` would be a TypeError
+            if not isinstance(yaml.get(m) or {}, dict):
                 raise DeltalensError(f"{source}: {m} must be a mapping of {m} options")
+        stages = {m: {**(yaml.pop(m, None) or {}), **(given.pop(m, None) or {})} for m in METHODS}
         cfg = super().resolve(preset=None, yaml=yaml, given=given, stored=stored, source=source)
         return dataclasses.replace(cfg, **stages)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from deltalens.config import Config, load_yaml
+from deltalens.config import Config, brief, load_yaml
 from deltalens.errors import DeltalensError
 from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
@@ -41,6 +41,9 @@ def _yaml(path: str | Path | None, method: str) -> tuple[dict, str | None]:
     named = data.pop("method", None)
     data.pop("deltalens_version", None)
     if named is not None and named != method and not (method == "chain" and named in CHAIN_METHODS):
+        if named not in (*CONFIGS, *CHAIN_METHODS):  # any YAML value: never echo it whole
+            raise DeltalensError(f"{path}: method must be one of {', '.join((*CONFIGS, *CHAIN_METHODS))} "
+                                 f"(got {brief(named)})")
         raise DeltalensError(f"{path} is a {named!r} config; use `deltalens train {named}` for it")
     if method == "chain" and "stages" in data:
         raise DeltalensError(f"{path} is a chain run's config.json; continue that run with `deltalens train "
@@ -88,9 +91,22 @@ def start(method: str, *, out: str | Path | None = None, resume: str | Path | No
     check_outputs([Output(Path(out), "--out", directory=True)],
                   models=[config.model, getattr(config, "init_from", None)], files=[config.data, yaml_path])
     if isinstance(config, ChainConfig):
+        _check_chain_start(config, preset)
         return train_chain_config(config, out, preset=preset, overwrite=overwrite, progress=progress)
     trainer = train_es if method == "es" else train_grpo
     return trainer(config, out, resume=False, progress=progress, overwrite=overwrite)
+
+
+def _check_chain_start(config: ChainConfig, preset: str) -> None:
+    """What a chain's first stage would refuse only after the chain's directory exists (a missing, corrupt or
+    incomplete model, `--chat-template on` without a template), refused before it: a refused command leaves
+    no run directory that blocks its retry. Costs one extra load of the base model."""
+    from deltalens.generation.prompts import uses_chat
+    from deltalens.io.models import load_model
+
+    _, tok = load_model(config.model)
+    for stage in config.stage_presets(preset).values():
+        uses_chat(tok, stage.chat_template)
 
 
 def train_unless_finished(run_dir: str | Path, total: int, label: str, train: Callable[..., object], *,

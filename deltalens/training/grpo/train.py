@@ -428,6 +428,7 @@ def train_grpo(config: GRPOConfig, out: str | Path, resume: bool = False,
         if main:
             run.check_create(overwrite)
         loaded = _start_model(config)
+        uses_chat(loaded[1], config.chat_template)  # `--chat-template on` without a template: before the run dir
     # one writer at a time (rank 0); stale temporaries of a killed writer are removed
     with run.writing() if main else contextlib.nullcontext():
         return _train(run, config, task, loaded, main, resume, progress, overwrite)
