@@ -79,7 +79,7 @@ def print_diff(doc: dict) -> None:
             t.add_row(f"[bold]{name}[/]" if name == "whole" else name, _count(m["n"]),
                       _fmt(m["rel_l2"], ".2e"), _fmt(m["l2"], ".2e"), _fmt(m["max_abs"], ".2e"),
                       _fmt(m["frac_changed"], ".1%"), _fmt(m["frac_above_tol"], ".1%"))
-        c.console.print(t)
+        c.out.print(t)
         rows = [r for r in d["layers"] if r["layer"] is not None]
         if rows:
             groups = [g for g in d["groups"] if any(r["group"] == g for r in rows)]
@@ -93,15 +93,15 @@ def print_diff(doc: dict) -> None:
             for layer in sorted({r["layer"] for r in rows}):
                 vals = [cell.get((layer, g)) for g in groups]
                 lt.add_row(str(layer), *["-" if v is None else f"{v / 10**exp:.2f}" for v in vals])
-            c.console.print(lt)
+            c.out.print(lt)
         if d["topk"]["k"]:
             comp = ", ".join(f"{g} {n}" for g, n in d["topk"]["abs"]["composition"].items())
-            c.console.print(f"top-{d['topk']['k']} |Δ| by group: {comp or '-'}")
-        c.console.print(f"whole-model distance ||θ-θ0||/||θ0|| = {_fmt(d['whole']['rel_l2'], '.4e')}")
+            c.out.print(f"top-{d['topk']['k']} |Δ| by group: {comp or '-'}")
+        c.out.print(f"whole-model distance ||θ-θ0||/||θ0|| = {_fmt(d['whole']['rel_l2'], '.4e')}")
         for w in d["warnings"]:
             c.console.print(f"[yellow]warning ({c.escape(label)}):[/] {c.escape(w)}", highlight=False)
     for r in doc["ratios"]:
-        c.console.print(f"rel_l2 ratio {r['a']} / {r['b']} = {_fmt(r['rel_l2_ratio'], '.3g')}")
+        c.out.print(f"rel_l2 ratio {r['a']} / {r['b']} = {_fmt(r['rel_l2_ratio'], '.3g')}")
 
 
 def write_csv(doc: dict, path: Path) -> None:
@@ -123,8 +123,12 @@ def diff_cmd(
     strict: Strict = False,
     label: Labels = None,
     svd: Svd = 0,
+    arch: c.Arch = None,
 ):
-    """Weight distance of each checkpoint from the base: per group, per layer, whole model, ratios."""
+    """Weight distance of each checkpoint from the base: per group, per layer, whole model, ratios.
+
+    Bare .pt/.safetensors files need no architecture here; --arch lends them its config.json (whether
+    embedding and lm_head are tied), so the same --arch works in every command."""
     from deltalens.analysis.delta import diff_analysis
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
@@ -132,8 +136,11 @@ def diff_cmd(
     if not (math.isfinite(tol) and tol >= 0) or topk < 0 or svd < 0:
         raise DeltalensError(f"--tol must be a finite number >= 0 and --topk, --svd >= 0 (got --tol {tol}, "
                              f"--topk {topk}, --svd {svd})")
-    check_outputs([Output(json_out, "--json"), Output(csv_out, "--csv")], models=[base, *ckpts])
-    doc = diff_analysis(base, ckpts, label, tol=tol, topk=topk, strict=strict, svd=svd, progress=True)
+    from deltalens.io.spec import check_arch
+
+    arch = check_arch(arch)
+    check_outputs([Output(json_out, "--json"), Output(csv_out, "--csv")], models=[base, *ckpts, arch])
+    doc = diff_analysis(base, ckpts, label, tol=tol, topk=topk, strict=strict, svd=svd, progress=True, arch=arch)
     print_diff(doc)
     if json_out is not None:
         write_json_atomic(doc, json_out)
@@ -143,16 +150,52 @@ def diff_cmd(
         c.console.print(f"wrote {csv_out}")
 
 
+SPARSIFY_LIMIT = 100  # default test problems: a sweep of 6 evaluations x 100 x 32 fits minutes on tiny (README)
+
+
+def print_sparsify(doc: dict, task: str) -> None:
+    """The sweep's table on stdout (gain kept with its 95% interval), its warnings on stderr."""
+    for lbl, s in doc["sparsify"].items():
+        head = str(s["ks"][0]) if s["ks"] else None
+        gain = ", ".join(f"Pass@{kk} {s['base_pass_at_k'][kk]:.3f}->{s['full_pass_at_k'][kk]:.3f}"
+                         for kk in s["base_pass_at_k"])
+        ci = s.get("gain_ci")
+        if ci is not None:
+            gain += f"; gain at Pass@{head} {ci[0]:+.3f}..{ci[1]:+.3f} (95%)"
+        # no outer edge: with three K columns and the interval the table fits 80 columns (a pipe's width)
+        t = Table(title=f"{lbl}: sparsified deltas on {task} (base -> full: {gain})", show_edge=False)
+        for col in ("τ", "sparsity", "kept L2", *[f"Pass@{kk}" for kk in s["full_pass_at_k"]]):
+            t.add_column(col, justify="right")
+        t.add_column(f"gain kept @{head} [95%]", justify="right", no_wrap=True)  # one cell, one line
+        for p in s["points"]:
+            kept = _fmt(p["gain_retained"], ".2f")
+            if p.get("gain_retained_ci") is not None:
+                kept += " [{:.2f},{:.2f}]".format(*p["gain_retained_ci"])
+            t.add_row(f"{p['tau']:.3g}", f"{p['sparsity']:.3f}", _fmt(p["kept_l2_frac"], ".3f"),
+                      *[_fmt(p["pass_at_k"].get(kk), ".3f") for kk in s["full_pass_at_k"]], kept)
+        c.out.print(t)
+        if s.get("gain_within_noise"):
+            c.console.print(f"[yellow]warning ({c.escape(lbl)}):[/] its gain at Pass@{head} is within noise "
+                            f"(95% interval {ci[0]:+.3f}..{ci[1]:+.3f} contains 0): the gain kept is not "
+                            "measurable; raise --limit or --samples", highlight=False)
+        for w in s.get("warnings", []):
+            c.console.print(f"[yellow]warning:[/] {c.escape(w)}", highlight=False)
+
+
 def sparsify_cmd(
     ckpt: Ckpt,
     base: BaseOpt = "tiny",
+    arch: c.Arch = None,
     thresholds: Thresholds = "2.5e-4,5e-4",
     sparsity: Sparsity = "0.5,0.9",
     task: c.Task = None,
     samples: c.Samples = 32,
     k: c.Ks = "1,16,32",
     temperature: c.Temperature = 0.6,
-    limit: c.Limit = None,
+    limit: Annotated[int | None, typer.Option(
+        "--limit", help=f"evaluate the first N test problems (default {SPARSIFY_LIMIT}: the defaults are 6 "
+                        "evaluations x 100 problems x 32 samples, 70 s on tiny on 2 CPU cores; the cost is "
+                        "printed before starting)")] = SPARSIFY_LIMIT,
     seed: c.Seed = 0,
     out: OutDir = None,
     json_out: c.JsonOut = None,
@@ -162,11 +205,15 @@ def sparsify_cmd(
                                          "memory), or vllm (one engine of the base, each state dict loaded "
                                          "into it; docs/vllm.md)")] = "hf",
 ):
-    """Reset small weight changes (0 < |Δ| <= τ) to the base and measure how much Pass@K gain survives."""
+    """Reset small weight changes (0 < |Δ| <= τ) to the base and measure how much Pass@K gain survives.
+
+    A bare .pt/.safetensors base takes its architecture from --arch; every state dict is evaluated on it."""
     from deltalens.analysis.sparsify import check_points, sparsify_analysis
+    from deltalens.evaluation.cost import plan_line
     from deltalens.evaluation.options import check_eval_options
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
+    from deltalens.io.spec import architecture, check_arch, default_label
     from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
@@ -175,15 +222,26 @@ def sparsify_cmd(
     check_points(taus, targets)
     check_eval_options(samples=samples, ks=ks, temperature=temperature, limit=limit)
     problems_of = get_task(task)  # built once; an unknown task is refused now, not after loading both checkpoints
-    problems_of.test(limit)
+    n_problems = len(problems_of.test(limit))
     if backend not in ("hf", "vllm"):
         raise DeltalensError(f"--backend must be hf or vllm (got {backend!r})")
+    arch = check_arch(arch)
+    # every evaluation applies a whole state dict onto the base's architecture (and tokenizer): a bare base
+    # gets it from --arch, so `--base base.pt --arch tiny` works; the checkpoint needs none of its own
+    model_arch = architecture(base, arch)
     if backend == "vllm":
         from deltalens.generation.vllm import check_weight_loading, import_vllm
 
         import_vllm()  # a missing vLLM, or a model it cannot swap weights of, is reported before any work
-        check_weight_loading(base)
-    check_outputs([Output(json_out, "--json"), Output(out, "--out", directory=True)], models=[ckpt, base])
+        check_weight_loading(model_arch)
+    check_outputs([Output(json_out, "--json"), Output(out, "--out", directory=True)], models=[ckpt, base, arch])
+
+    def plan():
+        # the cost, once the inputs are read and checked: base + full checkpoint + one evaluation per point,
+        # at most (a point that resets nothing or everything reuses one of the first two)
+        c.console.print(plan_line(what=f"sparsify {label or default_label(ckpt)}", models=1, problems=n_problems,
+                                  samples=samples, max_new_tokens=problems_of.max_new_tokens, model=model_arch,
+                                  backend=backend, points=2 + len(taus) + len(targets)), highlight=False)
 
     cache: dict = {}  # hf: one loaded model for every evaluation of the sweep
     engine: list = []  # vllm: one engine of the base, started at the first evaluation
@@ -193,30 +251,20 @@ def sparsify_cmd(
         from deltalens.generation import backend_for_spec
 
         if backend == "vllm" and not engine:
-            engine.append(backend_for_spec("vllm", base, chat_template=chat_template)[0])
-        return evaluate_state_dict(base, state_dict, problems_of, samples=samples, ks=ks, temperature=temperature,
-                                   limit=limit, seed=seed, chat_template=chat_template,
+            engine.append(backend_for_spec("vllm", model_arch, chat_template=chat_template)[0])
+        return evaluate_state_dict(model_arch, state_dict, problems_of, samples=samples, ks=ks,
+                                   temperature=temperature, limit=limit, seed=seed, chat_template=chat_template,
                                    model_cache=None if engine else cache, backend=engine[0] if engine else None)
 
     try:
         doc = sparsify_analysis(base, ckpt, taus, evaluate, sparsities=targets, label=label, task=task,
-                                out_dir=out)
+                                out_dir=out, on_start=plan)
     finally:
         if engine:
             engine.pop().close()  # a vLLM engine is a subprocess: never left running
     for s in doc["sparsify"].values():
         s["backend"] = backend
-    for lbl, s in doc["sparsify"].items():
-        t = Table(title=f"{lbl}: sparsified deltas on {task} (base -> full: "
-                        + ", ".join(f"Pass@{kk} {s['base_pass_at_k'][kk]:.3f}->{s['full_pass_at_k'][kk]:.3f}"
-                                    for kk in s["base_pass_at_k"]) + ")")
-        for col in ("τ", "sparsity", "kept L2", *[f"Pass@{kk}" for kk in s["full_pass_at_k"]], "gain kept"):
-            t.add_column(col, justify="right")
-        for p in s["points"]:
-            t.add_row(f"{p['tau']:.3g}", f"{p['sparsity']:.3f}", _fmt(p["kept_l2_frac"], ".3f"),
-                      *[_fmt(p["pass_at_k"].get(kk), ".3f") for kk in s["full_pass_at_k"]],
-                      _fmt(p["gain_retained"], ".2f"))
-        c.console.print(t)
+    print_sparsify(doc, task)
     if json_out is not None:
         write_json_atomic(doc, json_out)
         c.console.print(f"wrote {json_out}")

@@ -40,7 +40,7 @@ def diversity(
     answer_field: c.AnswerField = "answer",
     dtype: Annotated[str | None, typer.Option("--dtype", help="fp32, bf16, fp16 (default: the run's, else fp32)")
                      ] = None,
-    config: c.Config = None,
+    arch: c.Arch = None,
     json_out: c.JsonOut = None,
     chat_template: c.ChatTemplate = "auto",
 ):
@@ -48,14 +48,17 @@ def diversity(
     from deltalens.analysis.diversity import diversity_analysis
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
+    from deltalens.io.spec import arch_for, check_arch
     from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
     sigmas = c.parse_floats(sweep, "--sweep") if sweep else None
     _check_options(members=members, sigma=sigma, iteration=iteration, prompts=prompts, samples=samples,
                    temperature=temperature, sweep=sigmas, fisher_samples=fisher_samples,
-                   max_new_tokens=max_new_tokens, config=config)
-    check_outputs([Output(json_out, "--json")], models=[model, config], files=[data])
+                   max_new_tokens=max_new_tokens, config=arch)
+    arch = check_arch(arch)
+    config = None if iteration is not None else arch_for(model, arch)  # bare weights: --arch, else beside
+    check_outputs([Output(json_out, "--json")], models=[model, arch], files=[data])
     t = get_task(task or default_task(model), data=data, question_field=question_field, answer_field=answer_field)
     t.test(prompts)  # a jsonl task's data is read (and refused) now
     with c.progress_bar() as bar:
@@ -69,9 +72,9 @@ def diversity(
                                  sweep=sigmas, fisher_samples=fisher_samples, max_new_tokens=max_new_tokens,
                                  dtype=dtype, config=config, progress=progress, chat_template=chat_template)
     lbl, d = next(iter(doc["diversity"].items()))
-    c.console.print(_summary(lbl, d))
+    c.out.print(_summary(lbl, d))
     if d.get("sigma_sweep"):
-        c.console.print(_sweep_table(d["sigma_sweep"]))
+        c.out.print(_sweep_table(d["sigma_sweep"]))
     for note in d.get("notes", []):
         c.console.print(f"[yellow]note:[/] {note}", highlight=False)
     if json_out is not None:
@@ -105,7 +108,7 @@ def _check_options(*, members, sigma, iteration, prompts, samples, temperature, 
     if sweep is not None and not all(finite(s) and s > 0 for s in sweep):
         raise DeltalensError(f"--sweep values must be finite numbers > 0 (got {','.join(map(str, sweep))})")
     if config is not None and iteration is not None:
-        raise DeltalensError("--config is for bare weight files; with --iteration the run's checkpoints are used")
+        raise DeltalensError("--arch is for bare weight files; with --iteration the run's checkpoints are used")
 
 
 def _f(x, spec=".4g") -> str:

@@ -36,6 +36,9 @@ Departures / choices (not in the paper):
 - Optional (`svd=N`, off by default): per 2-D tensor the top N singular values of ΔW and its
   effective rank exp(H(σ/Σσ)) (Roy & Vetterli 2007), stored as an extra `svd` field of the tensor
   entry.
+- A diff needs no architecture, but a bare weights file (.pt, a lone .safetensors) carries no config.json,
+  so whether its embedding and lm_head are one tied parameter (an HF file that omits lm_head.weight)
+  is unknown from the file; `arch=` (the command's `--arch`) lends such files its config.json.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import torch
 from deltalens.analysis.document import analysis_document, model_entry
 from deltalens.errors import DeltalensError
 from deltalens.io.source import TensorSource
-from deltalens.io.spec import default_labels
+from deltalens.io.spec import check_arch, default_labels, resolve
 from deltalens.io.tensors import open_tensors
 
 GROUPS = ("embed", "lm_head", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o", "attn_bias",
@@ -637,11 +640,40 @@ def rel_l2_ratios(diff: dict) -> list[dict]:
     return out
 
 
+def arch_config(arch: str | None) -> dict:
+    """config.json of the architecture `arch` names (see `deltalens.io.spec.check_arch`); {} for none, or
+    for one without a readable config.json (a GGUF, a hub id)."""
+    import json
+
+    arch = check_arch(arch)
+    if arch is None:
+        return {}
+    ref = resolve(arch)
+    f = Path(ref.location) / "config.json" if ref.kind == "hf_dir" else None
+    if f is None or not f.is_file():
+        return {}
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise DeltalensError(f"--arch {arch}: {f} is not valid JSON ({e})") from e
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _open(path, config: dict) -> TensorSource:
+    """open_tensors(path); a bare weights file without a config of its own gets `config` (the --arch one)."""
+    src = open_tensors(path)
+    if config and not src.config and isinstance(path, (str, Path)) and resolve(path).kind == "weights":
+        src.config = config
+    return src
+
+
 def diff_checkpoints(base_path, ckpt_paths, labels: list[str] | None = None, tol: float = 1e-6,
-                     topk: int = 100, strict: bool = False, progress: bool = True, svd: int = 0) -> dict:
+                     topk: int = 100, strict: bool = False, progress: bool = True, svd: int = 0,
+                     arch: str | None = None) -> dict:
     """Compare checkpoints with one base: {"diff": {label: ...}, "ratios": [...]} (see analysis-schema.md).
 
-    Paths are anything `deltalens.io.tensors.open_tensors` reads; memory stays at a few tensors.
+    Paths are anything `deltalens.io.tensors.open_tensors` reads; memory stays at a few tensors. `arch`:
+    the architecture lent to bare weight files (their tied embeddings; module docstring).
     """
     ckpt_paths = [ckpt_paths] if isinstance(ckpt_paths, (str, Path)) else list(ckpt_paths)
     if not ckpt_paths:
@@ -656,9 +688,10 @@ def diff_checkpoints(base_path, ckpt_paths, labels: list[str] | None = None, tol
                    TimeElapsedColumn(),
                    console=Console(stderr=True), transient=True, disable=not progress)
     diff = {}
-    with bar, gc_frozen(), open_tensors(base_path) as base:
+    config = arch_config(arch)
+    with bar, gc_frozen(), _open(base_path, config) as base:
         for label, path in zip(labels, ckpt_paths):
-            with open_tensors(path) as ckpt:
+            with _open(path, config) as ckpt:
                 task = bar.add_task(f"diff {label}", total=None)
                 diff[label] = diff_sources(base, ckpt, tol=tol, topk=topk, strict=strict, svd=svd,
                                            progress=lambda done, total, t=task: bar.update(t, completed=done,

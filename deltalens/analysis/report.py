@@ -6,6 +6,14 @@ analyses the options ask for and returns one dict in the schema of docs/analysis
 as JSON files in a cache directory next to the report, keyed by a content hash of the inputs (the
 weight files' bytes and every setting that changes the result), so re-running a report with the same
 inputs recomputes nothing, and changing a checkpoint recomputes only what depends on it.
+
+Bare weights (.pt, .safetensors without a config.json beside) take their architecture from `arch` (the
+command's `--arch`): every bare input, the base included, is loaded onto it, and every sparsified state
+dict is evaluated on the base's architecture (`deltalens.io.spec.architecture`). Before the first
+generation, `log` gets one cost line per evaluating section (`deltalens.evaluation.cost.plan_line`).
+
+Where a report goes (`report_paths`): a directory, by default ./deltalens-report, holding report.html,
+analysis.json (what `deltalens render` re-renders) and cache/; never inside an input run directory.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from deltalens.evaluation.options import check_eval_options
 from deltalens.io.atomic import write_json_atomic
 from deltalens.io.models import load_model
 from deltalens.io.runs import RunDir
-from deltalens.io.spec import default_labels, resolve
+from deltalens.io.spec import arch_for, architecture, check_arch, default_labels, resolve
 from deltalens.tasks import get_task
 
 WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "config.json")
@@ -104,19 +112,46 @@ class Cache:
 
 
 def training_section(label: str, run_dir: Path) -> dict | None:
-    """Reward curves from a run directory's metrics.jsonl (ES iterations or GRPO steps)."""
+    """Training curves from a run directory's metrics.jsonl (ES iterations, GRPO steps, or a chain's stages).
+
+    Each row keeps the iteration, the stage (chains), the FLOP-matched compute units spent so far
+    (`deltalens.training.budget`; GRPO and chain rows record them, ES rows are computed from the run's
+    prompts and population, since the unit cost of an ES iteration is fixed), the reward statistics, the
+    periodic validation Pass@1 (`eval.pass_at_1` of the row) and GRPO's KL, entropy and grad norm. With units
+    on every row, `x` is "units", so ES iterations and GRPO steps share one compute axis.
+    """
+    from deltalens.training.budget import es_units_per_iteration
+
     run = RunDir(run_dir)
     rows = run.metrics()
     if not rows:
         return None
     try:
-        method = run.config().get("method")
+        config = run.config()
     except DeltalensError:
-        method = None
-    keep = ("iteration", "stage", "reward_mean", "reward_std", "reward_min", "reward_max", "eval_pass1",
-            "kl", "entropy")
-    out_rows = [{k: r[k] for k in keep if k in r} for r in rows if "iteration" in r]
-    return {"method": method, "x": "iteration", "rows": out_rows}
+        config = {}
+    method = config.get("method")
+    es_per_iteration = None
+    if method == "es":
+        try:
+            es_per_iteration = es_units_per_iteration(config.get("prompts_per_iteration"), config.get("population"))
+        except DeltalensError:  # an old or hand-written config without the counts: no units for its rows
+            es_per_iteration = None
+    keep = ("iteration", "stage", "units", "reward_mean", "reward_std", "reward_min", "reward_max", "kl",
+            "entropy", "grad_norm")
+    out_rows = []
+    for r in rows:
+        if "iteration" not in r:
+            continue
+        row = {k: r[k] for k in keep if k in r}
+        if "units" not in row and es_per_iteration is not None and isinstance(r["iteration"], int):
+            row["units"] = r["iteration"] * es_per_iteration
+        ev = r.get("eval")
+        if isinstance(ev, dict) and ev.get("pass_at_1") is not None:
+            row["eval_pass1"] = ev["pass_at_1"]
+        out_rows.append(row)
+    x = "units" if out_rows and all("units" in r for r in out_rows) else "iteration"
+    return {"method": method, "x": x, "rows": out_rows}
 
 
 def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | None = None,
@@ -125,18 +160,20 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
                    seed: int = 0, sparsify: Sequence[float] = (), sparsity_targets: Sequence[float] = (),
                    held_out: Sequence[str] = (), diversity: bool = False, diversity_opts: dict | None = None,
                    diversity_models: Sequence[str] | None = None, sparsify_models: Sequence[str] | None = None,
-                   config: str | None = None, cache_dir: Path | None = None,
+                   arch: str | None = None, cache_dir: Path | None = None,
                    log: Callable[[str], None] = lambda s: None, progress_factory=None,
-                   chat_template: str = "auto") -> dict:
+                   chat_template: str = "auto", config: str | None = None) -> dict:
     """Run the requested analyses of `models` against `base`; returns the analysis.json dict.
 
     diversity_models / sparsify_models: labels to restrict those (costly) analyses to; None = all.
+    arch: the architecture of every bare-weights input, the base included (`config`: its old name).
     """
+    arch = check_arch(arch if arch is not None else config)
     if not models:
         raise DeltalensError("give a base and at least one model to compare: deltalens report BASE MODEL [MODEL...]")
     ks = parse_ks(ks)
     if task is None and (sparsify or sparsity_targets or held_out or diversity):
-        raise DeltalensError("--sparsify, --held-out and --diversity need --task")
+        raise DeltalensError("--thresholds/--sparsity, --held-out and --diversity need --task")
     labels = list(labels) if labels else default_labels(list(models))
     if len(labels) != len(models) or len(set(labels)) != len(labels) or "base" in labels:
         raise DeltalensError("give one unique --label per model (and not 'base')")
@@ -149,11 +186,21 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
     if t is not None:
         t.test(limit)  # reads a jsonl task's data now
     held_tasks = {name: get_task(name, seed=0) for name in held_out}
-    cache = Cache(cache_dir)
-    hashes = {"base": weights_hash(base, config)}
-    for lab, spec in zip(labels, models):
-        hashes[lab] = weights_hash(spec, config)
     specs = {"base": base, **dict(zip(labels, models))}
+    if t is not None:  # every input is evaluated: a bare one without an architecture is refused now
+        for spec in specs.values():
+            architecture(spec, arch)
+    cache = Cache(cache_dir)
+    hashes = {lab: weights_hash(spec, arch_for(spec, arch) if t is not None else arch)
+              for lab, spec in specs.items()}
+    if diversity and diversity_models is None:  # ES runs (their own seeds and σ); if there are none, every model
+        es_runs = [lab for lab, m in zip(labels, models) if model_entry(lab, m)["method"] == "es"]
+        diversity_models = es_runs or list(labels)
+    if t is not None:
+        _log_plan(log, base=base, arch=arch, n_models=len(specs), task=t, held=held_tasks, samples=samples,
+                  limit=limit, sparsify=sum(sparsify_models is None or lab in sparsify_models for lab in labels)
+                  if (sparsify or sparsity_targets) else 0, points=len(sparsify) + len(sparsity_targets),
+                  diversity=len(diversity_models) if diversity else 0, diversity_opts=diversity_opts or {})
 
     def weights_path(spec: str):
         ref = resolve(spec)
@@ -166,7 +213,7 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
     diff_key = cache.key("diff", base=hashes["base"], models=[hashes[lab] for lab in labels], labels=labels)
     doc_sections = cache.get_or_compute(
         diff_key, lambda: diff_checkpoints(weights_path(base), [weights_path(m) for m in models], labels,
-                                           progress=progress_factory is not None), log)
+                                           progress=progress_factory is not None, arch=arch), log)
 
     sections: dict = {"diff": doc_sections["diff"], "ratios": doc_sections["ratios"]}
 
@@ -176,7 +223,7 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
     def model_for(label):
         if label not in loaded:
             loaded.clear()  # keep at most one model in memory
-            loaded[label] = load_model(specs[label], config=config if label != "base" else None)
+            loaded[label] = load_model(specs[label], config=arch_for(specs[label], arch))  # the base too
         return loaded[label]
 
     def eval_one(label, tsk):
@@ -211,11 +258,13 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
         sp: dict = {}
         model_cache: dict = {}
         memo: dict = {}  # state-dict content hash -> evaluation (the base is evaluated once for all models)
+        base_arch = architecture(base, arch)  # every state dict is evaluated on the base's architecture
 
         for lab, spec in zip(labels, models):
             if sparsify_models is not None and lab not in sparsify_models:
                 continue
-            key = cache.key("sparsify", base=hashes["base"], model=hashes[lab], taus=list(sparsify),
+            # v2: points carry gain_retained_ci and the section gain_ci / warnings (older entries lack them)
+            key = cache.key("sparsify", v=2, base=hashes["base"], model=hashes[lab], taus=list(sparsify),
                             targets=list(sparsity_targets), task=t.name, samples=samples, ks=ks,
                             temperature=temperature, limit=limit, seed=seed, chat_template=chat_template)
 
@@ -223,7 +272,8 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
                 def evaluate_fn(sd):
                     h = state_dict_hash(sd)
                     if h not in memo:
-                        memo[h] = evaluate_state_dict(base, sd, t, samples=samples, ks=ks, temperature=temperature,
+                        memo[h] = evaluate_state_dict(base_arch, sd, t, samples=samples, ks=ks,
+                                                      temperature=temperature,
                                                       limit=limit, seed=seed, model_cache=model_cache,
                                                       chat_template=chat_template)
                     return memo[h]
@@ -249,9 +299,6 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
     # -- population diversity of ES runs / models
     if diversity:
         div = {}
-        if diversity_models is None:  # ES runs (their own seeds and σ); if there are none, every model
-            es_runs = [lab for lab, m in zip(labels, models) if model_entry(lab, m)["method"] == "es"]
-            diversity_models = es_runs or list(labels)
         for lab, spec in zip(labels, models):
             if diversity_models is not None and lab not in diversity_models:
                 continue
@@ -259,17 +306,49 @@ def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | 
                             chat_template=chat_template)
             div[lab] = cache.get_or_compute(
                 key, lambda spec=spec: diversity_section(spec, t, chat_template=chat_template,
-                                                         **(diversity_opts or {})), log)
+                                                         config=arch_for(spec, arch), **(diversity_opts or {})),
+                log)
         sections["diversity"] = div
 
     return analysis_document(base, [model_entry(lab, m) for lab, m in zip(labels, models)], **sections)
 
 
-def default_report_path(models: Sequence[str]) -> Path:
-    """Under the first run directory among `models`, else ./deltalens-report.html."""
-    for m in models:
-        p = Path(m)
-        if p.is_dir() and (p / "metrics.jsonl").exists() and (p / "checkpoints").is_dir():
-            RunDir(p).weights()  # a run without a checkpoint yet says so here
-            return p / "report.html"
-    return Path("deltalens-report.html")
+DEFAULT_REPORT_DIR = Path("deltalens-report")
+
+
+def report_paths(out_dir: Path | None = None) -> dict[str, Path]:
+    """Where a report goes: {"dir", "html", "analysis", "cache"} under `out_dir` (default ./deltalens-report):
+    DIR/report.html, DIR/analysis.json (as README.md says), DIR/cache/. A name ending in .html or .json is
+    refused: -o names the directory, and a file name there would hide where analysis.json goes."""
+    d = Path(out_dir) if out_dir is not None else DEFAULT_REPORT_DIR
+    if d.suffix in (".html", ".json"):
+        raise DeltalensError(f"-o {d}: -o names the report's directory (it writes report.html, analysis.json "
+                             f"and cache/ there); try -o {d.with_suffix('')}")
+    return {"dir": d, "html": d / "report.html", "analysis": d / "analysis.json", "cache": d / "cache"}
+
+
+def _log_plan(log, *, base, arch, n_models: int, task, held: dict, samples: int, limit, sparsify: int,
+              points: int, diversity: int = 0, diversity_opts: dict | None = None) -> None:
+    """The cost lines of a report's evaluations (before the first; cached results make it less)."""
+    from deltalens.evaluation.cost import plan_line
+
+    model = architecture(base, arch)
+    n = len(task.test(limit))
+    log(plan_line(what=f"evaluate on {task.name}", models=n_models, problems=n, samples=samples,
+                  max_new_tokens=task.max_new_tokens, model=model))
+    for name, ht in held.items():
+        log(plan_line(what=f"held-out {name}", models=n_models, problems=len(ht.test(limit)), samples=samples,
+                      max_new_tokens=ht.max_new_tokens, model=model))
+    if sparsify:
+        # each model: its full checkpoint + one evaluation per point; the base once for all
+        log(plan_line(what="sparsify", models=sparsify, points=points + 1, problems=n, samples=samples,
+                      max_new_tokens=task.max_new_tokens, model=model)
+            + f" (+ the base once: {n * samples:,} generations)")
+    if diversity:
+        # a population of N members and its centre: 2N + 1 passes (deltalens.analysis.diversity); an ES run's
+        # own N may differ from the default counted here
+        opts = diversity_opts or {}
+        members = opts.get("members") or 32
+        log(plan_line(what="diversity", models=diversity, points=2 * members + 1,
+                      problems=len(task.test(opts.get("prompts", 16))), samples=opts.get("samples", 4),
+                      max_new_tokens=opts.get("max_new_tokens") or task.max_new_tokens, model=model))

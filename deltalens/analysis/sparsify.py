@@ -23,6 +23,15 @@ Choices / departures:
   `gain_retained_at_k`. Points made from a target sparsity carry `target_sparsity`.
 - Evaluations of the base and of the full checkpoint are cached: a τ that resets nothing reuses the
   full-checkpoint result and a τ that resets every changed coordinate reuses the base result.
+
+Noise. A share of a gain is only as good as the gain: +0.008 Pass@1 on 30 problems is noise, and a
+"gain kept 1.50" of it means nothing. So each section carries `gain_ci`, the 95% paired bootstrap
+interval over problems of the trained model's gain at the headline K (`deltalens.analysis.stats`), and
+`gain_within_noise` (that interval contains 0); each point carries `gain_retained_ci`, the percentile
+interval of (p(τ) - p_base) / (p_full - p_base) from the same problem resamples (`stats.gain_ratio`,
+replicates without a positive gain dropped; null when most have none). Both need the evaluations'
+per-problem results; without them they are null. A point that resets >= 99.9% of the changed
+coordinates is (nearly) the base, whatever it "keeps": the section's `warnings` name it.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from deltalens.io.tensors import load_state_dict, open_tensors
 CHUNK = 1 << 22     # coordinates per step (16 MB of float32 per temporary)
 _SHIFT = 16         # histogram key: top 16 bits of the float32 pattern (sign 0, 8 exponent, 7 mantissa)
 _BUCKETS = 1 << 15  # sign bit is 0 for |Δ|, so keys fit in 15 bits
+ALL_RESET = 0.999   # a point resetting this share of the changed coordinates is (nearly) the base
 
 
 def check_points(taus: Sequence[float], sparsities: Sequence[float] = ()) -> None:
@@ -233,16 +243,52 @@ def _pass_at_k(result: dict, what: str) -> dict[str, float]:
     return {str(k): v for k, v in result["pass_at_k"].items()}
 
 
+def per_problem_pass(result: dict, k: str) -> list[float] | None:
+    """Unbiased Pass@k of each problem of an evaluation (from its per-problem correct / n counts), or
+    None when the result has no per-problem rows (then no interval can be given)."""
+    from deltalens.evaluation.passk import pass_at_k
+
+    rows = result.get("per_problem") if isinstance(result, dict) else None
+    kk = int(float(k))
+    if not rows or not all(isinstance(r, dict) and isinstance(r.get("n"), int) and isinstance(r.get("correct"), int)
+                           and 0 <= r["correct"] <= r["n"] and r["n"] >= kk for r in rows):
+        return None
+    return [pass_at_k(int(r["n"]), int(r["correct"]), kk) for r in rows]
+
+
+def gain_interval(base: list[float] | None, full: list[float] | None) -> list[float] | None:
+    """95% paired bootstrap interval over problems of mean(full - base), or None without per-problem data."""
+    from deltalens.analysis.stats import problem_bootstrap
+
+    if base is None or full is None or len(base) != len(full) or len(base) < 2:
+        return None
+    return list(problem_bootstrap([full], [base]))
+
+
+def share_interval(p: list[float] | None, base: list[float] | None, full: list[float] | None) -> list[float] | None:
+    """95% interval of the share of the gain kept, (p - base) / (full - base) over problem resamples
+    (`stats.gain_ratio`); None without per-problem data or when most resamples have no positive gain."""
+    from deltalens.analysis.stats import gain_ratio
+
+    if p is None or base is None or full is None or not len(p) == len(base) == len(full) or len(p) < 2:
+        return None
+    _, (lo, hi) = gain_ratio([p], [full], [base])
+    return None if not (math.isfinite(lo) and math.isfinite(hi)) else [lo, hi]
+
+
 def sparsify_sweep(base_path, ckpt_path, taus: Sequence[float], evaluate_fn: Callable[[dict], dict],
                    out_dir: str | Path | None = None, *, sparsities: Sequence[float] = (),
-                   label: str | None = None, task: str | None = None, evals: dict | None = None) -> dict:
+                   label: str | None = None, task: str | None = None, evals: dict | None = None,
+                   on_start: Callable[[], None] | None = None) -> dict:
     """Evaluate the checkpoint sparsified at each τ (and at the τ of each target sparsity).
 
     evaluate_fn(state_dict) -> {"pass_at_k": {"1": p, ...}, ...}. Returns the schema's `sparsify`
-    section, {label: {"task", "ks", "base_pass_at_k", "full_pass_at_k", "points": [...]}}, with
-    points sorted by τ. With out_dir, each sparsified checkpoint is saved there as
-    `tau-<τ>.safetensors`. Pass a dict as `evals` to receive the full evaluation results of the
-    base ("base") and of the unsparsified checkpoint (label), e.g. for the schema's `evals` section.
+    section, {label: {"task", "ks", "base_pass_at_k", "full_pass_at_k", "gain_ci", "gain_within_noise",
+    "points": [...], "warnings": [...]}} (module docstring), with points sorted by τ. With out_dir, each
+    sparsified checkpoint is saved there as `tau-<τ>.safetensors`. Pass a dict as `evals` to receive the
+    full evaluation results of the base ("base") and of the unsparsified checkpoint (label), e.g. for the
+    schema's `evals` section. `on_start()` is called once both checkpoints are read and checked, before
+    the first evaluation (a command states its cost there, so a refused input prints only its error).
     """
     check_points(taus, sparsities)
     base_sd, ckpt_sd = load_state_dict_any(base_path), load_state_dict_any(ckpt_path)
@@ -252,45 +298,60 @@ def sparsify_sweep(base_path, ckpt_path, taus: Sequence[float], evaluate_fn: Cal
     points = [(float(t), None) for t in taus]
     if sparsities:
         points += list(zip(thresholds_for_sparsity(base_sd, ckpt_sd, sparsities), sparsities))
+    if on_start is not None:
+        on_start()
     base_eval = evaluate_fn(base_sd)
     full_eval = evaluate_fn(ckpt_sd)
     p_base, p_full = _pass_at_k(base_eval, "the base"), _pass_at_k(full_eval, "the checkpoint")
     if evals is not None:
         evals.update({"base": base_eval, label: full_eval})
     ks = sorted(p_full, key=lambda k: float(k))
+    head = ks[0] if ks else None                           # the headline K (gain_retained, intervals)
+    per_base = per_problem_pass(base_eval, head) if head else None
+    per_full = per_problem_pass(full_eval, head) if head else None
+    gain_ci = gain_interval(per_base, per_full)
     cache: dict[float, dict] = {}
-    out = []
+    out, warnings = [], []
     for tau, target in sorted(points, key=lambda p: (p[0], p[1] is not None)):
         sd, stats = apply_threshold(base_sd, ckpt_sd, tau)
         if stats["n_reset"] == 0:
-            p = p_full                                     # nothing reset: the full checkpoint
+            result = full_eval                             # nothing reset: the full checkpoint
         elif stats["n_reset"] == stats["n_changed"]:
-            p = p_base                                     # every change reset: the base
+            result = base_eval                             # every change reset: the base
         else:
             if tau not in cache:
-                cache[tau] = _pass_at_k(evaluate_fn(sd), f"the checkpoint sparsified at tau={tau:g}")
-            p = cache[tau]
+                cache[tau] = evaluate_fn(sd)
+            result = cache[tau]
+        p = _pass_at_k(result, f"the checkpoint sparsified at tau={tau:g}")
         if out_dir is not None:
             save_state_dict(sd, Path(out_dir) / f"tau-{tau:.6g}.safetensors")
         del sd
         at_k = {k: gain_retained(p.get(k), p_base.get(k), p_full.get(k)) for k in ks}
         point = {"tau": tau, "sparsity": stats["sparsity"], "kept_l2_frac": stats["kept_l2_frac"],
-                 "pass_at_k": p, "gain_retained": at_k[ks[0]] if ks else None, "gain_retained_at_k": at_k}
+                 "pass_at_k": p, "gain_retained": at_k[head] if ks else None, "gain_retained_at_k": at_k,
+                 "gain_retained_ci": None}
+        if point["gain_retained"] is not None:
+            point["gain_retained_ci"] = share_interval(per_problem_pass(result, head), per_base, per_full)
         if target is not None:
             point["target_sparsity"] = target
+        if stats["n_changed"] and stats["sparsity"] >= ALL_RESET:
+            warnings.append(f"tau={tau:g} resets {stats['sparsity']:.1%} of the changed coordinates of {label}: "
+                            "the sparsified model is (nearly) the base; choose a smaller tau")
         out.append(point)
     return {label: {"task": task, "ks": [int(k) if float(k).is_integer() else float(k) for k in ks],
-                    "base_pass_at_k": p_base, "full_pass_at_k": p_full, "points": out}}
+                    "base_pass_at_k": p_base, "full_pass_at_k": p_full, "gain_ci": gain_ci,
+                    "gain_within_noise": None if gain_ci is None else bool(gain_ci[0] <= 0 <= gain_ci[1]),
+                    "points": out, "warnings": warnings}}
 
 
 def sparsify_analysis(base_path, ckpt_path, taus: Sequence[float], evaluate_fn: Callable[[dict], dict], *,
                       sparsities: Sequence[float] = (), label: str | None = None, task: str | None = None,
-                      out_dir: str | Path | None = None) -> dict:
+                      out_dir: str | Path | None = None, on_start: Callable[[], None] | None = None) -> dict:
     """A complete analysis.json document (base, models, evals, sparsify) for one sparsification sweep."""
     label = label or default_label(ckpt_path)
     evals: dict = {}
     section = sparsify_sweep(base_path, ckpt_path, taus, evaluate_fn, out_dir, sparsities=sparsities,
-                             label=label, task=task, evals=evals)
+                             label=label, task=task, evals=evals, on_start=on_start)
     return analysis_document(base_path, [model_entry(label, ckpt_path)], evals=evals, sparsify=section)
 
 

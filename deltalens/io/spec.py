@@ -9,10 +9,16 @@ A spec is whatever a user types for a model:
 - a hub id like `HuggingFaceTB/SmolLM2-135M-Instruct` (works online; a clear error offline);
 - a `.gguf` file;
 - bare weights, `.pt`/`.pth`/`.bin` or `.safetensors`, whose architecture comes from elsewhere
-  (`--config`, else the config.json beside the file).
+  (`--arch`, else the config.json beside the file).
 
 `resolve(spec)` classifies the spec and finds the files it stands for; everything downstream (model
 loading, tensor streaming, content hashes, vLLM) takes the `ModelRef` and never re-parses the spec.
+
+Architectures. A command names one architecture with `--arch` (old name `--config`): it applies to every
+bare-weights input of the command, the base included; inputs that carry their own (tiny, an HF or run
+directory, a GGUF) keep theirs. `check_arch` turns the option into a spec (a config.json file stands for
+its directory), `architecture(spec, arch)` is the spec a model loads its config and tokenizer from, and
+`arch_for(spec, arch)` is what `load_model(spec, config=...)` takes (None for inputs with their own).
 """
 
 from __future__ import annotations
@@ -99,6 +105,45 @@ def resolve(spec: str | Path | ModelRef) -> ModelRef:
     if _HUB_ID.match(spec) and not spec.startswith((".", "/")) and not p.suffix:
         return ModelRef(spec, "hub", spec)
     raise DeltalensError(f"no such file or directory: {spec} (pass a path, a hub id, 'tiny' or 'smollm2')")
+
+
+def check_arch(arch: str | None) -> str | None:
+    """The spec `--arch` names, checked now (before any work): tiny, smollm2, an HF or run directory, a
+    GGUF, a hub id, or a config.json file (its directory, which holds the tokenizer too). A bare weights
+    file has no architecture of its own and is refused."""
+    if arch is None:
+        return None
+    p = Path(str(arch)).expanduser()
+    if p.is_file() and p.suffix == ".json":
+        if p.name != "config.json":
+            raise DeltalensError(f"--arch {arch}: name a model's config.json (or its directory), not {p.name}")
+        arch = str(p.parent)
+    if resolve(arch).kind == "weights":
+        raise DeltalensError(f"--arch {arch} is a bare weights file; --arch names an architecture: tiny, "
+                             "an HF or run directory, or a config.json")
+    return str(arch)
+
+
+def architecture(spec: str | Path | ModelRef, arch: str | None = None) -> str:
+    """The spec whose config and tokenizer `spec` loads with: `spec` itself when it has its own; for
+    bare weights `arch` (see `check_arch`), else the directory beside the file when it holds a
+    config.json, else a one-line error naming --arch."""
+    ref = resolve(spec)
+    if ref.kind != "weights":
+        return ref.spec if isinstance(spec, ModelRef) else str(spec)
+    if arch is not None:
+        return check_arch(arch)
+    beside = ref.path.parent / "config.json"
+    if not beside.is_file():
+        raise DeltalensError(f"{ref.path} holds weights only; pass --arch to name its architecture "
+                             "(e.g. --arch tiny, or the HF directory it was trained from)")
+    return str(ref.path.parent)
+
+
+def arch_for(spec: str | Path | ModelRef, arch: str | None) -> str | None:
+    """`config=` for `load_model(spec, config=...)`: the architecture of a bare weights file (as
+    `architecture`), None for a spec that carries its own (which `--arch` leaves alone)."""
+    return architecture(spec, arch) if resolve(spec).kind == "weights" else None
 
 
 def default_label(path) -> str:

@@ -180,7 +180,7 @@ def test_cli_sparsify(tmp_path, monkeypatch):
     app = typer.Typer()
     app.command("sparsify")(common.guard(sparsify))
     app.command("noop")(lambda: None)
-    res = CliRunner().invoke(app, ["sparsify", str(c), "--base", str(b), "--thresholds", "5e-4",
+    res = CliRunner().invoke(app, ["sparsify", str(c), "--base", str(b), "--arch", "tiny", "--thresholds", "5e-4",
                                    "--sparsity", "0.9", "--samples", "4", "--k", "1,4", "--limit", "3",
                                    "--json", str(tmp_path / "s.json")])
     assert res.exit_code == 0, res.output
@@ -189,7 +189,7 @@ def test_cli_sparsify(tmp_path, monkeypatch):
     s = doc["sparsify"]["run"]
     assert s["ks"] == [1, 4] and len(s["points"]) == 2 and s["task"] == "arith"
     assert doc["models"][0]["label"] == "run" and set(doc["evals"]) == {"base", "run"}
-    assert seen[0][:5] == (str(b), "arith", 4, (1, 4), 3)
+    assert seen[0][:5] == ("tiny", "arith", 4, (1, 4), 3)  # a bare base is evaluated on its --arch
     assert len(seen) == 4 and len({x[5] for x in seen}) == 1  # base, full, 2 points: one Task object for all
     res = CliRunner().invoke(app, ["sparsify", str(c), "--base", str(b), "--sparsity", "0.5,x"])
     assert res.exit_code == 2 and "comma-separated" in res.output

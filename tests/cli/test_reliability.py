@@ -99,7 +99,7 @@ def test_outputs_that_are_inputs_are_refused(ckpt, model_dir, tmp_path):
 
 def test_outputs_that_collide_or_cannot_be_files_are_refused(ckpt, tmp_path):
     X = str(ckpt)
-    refused(["report", "tiny", X, "-o", tmp_path / "r.json"], match="give -o an .html name", inputs=[ckpt])
+    refused(["report", "tiny", X, "-o", tmp_path / "r.json"], match="-o names the report's directory", inputs=[ckpt])
     refused(["diff", "tiny", X, "--json", tmp_path / "a", "--csv", tmp_path / "a"], match="name the same path",
             inputs=[ckpt])
     refused(["diff", "tiny", X, "--json", tmp_path], match="is a directory", inputs=[ckpt])
@@ -123,13 +123,19 @@ def test_training_never_writes_into_or_over_its_inputs(es_run, model_dir, tmp_pa
             inputs=[tmp_path / "file"])
 
 
-def test_a_report_beside_a_run_is_fine(es_run, tmp_path):
+def test_a_report_beside_a_run_is_fine(es_run, tmp_path, monkeypatch):
     run = _copy_run(es_run, tmp_path)
     before = snapshot(run)
-    r = run_cli(["report", "tiny", run])  # default output: run/report.html (+ report.json, report.cache/)
+    monkeypatch.chdir(tmp_path)
+    r = run_cli(["report", "tiny", run])  # default output: ./deltalens-report/{report.html,analysis.json,cache/}
     assert r.exit_code == 0, r.output
-    assert (run / "report.html").is_file() and (run / "report.json").is_file()
-    assert {k: v for k, v in snapshot(run).items() if "/report." not in k} == before
+    out = tmp_path / "deltalens-report"
+    assert (out / "report.html").is_file() and (out / "analysis.json").is_file()
+    assert snapshot(run) == before  # never inside the input run
+    r = run_cli(["report", "tiny", run, "-o", run / "report"])  # beside the run's own files: fine
+    assert r.exit_code == 0, r.output
+    assert (run / "report" / "report.html").is_file()
+    assert {k: v for k, v in snapshot(run).items() if "/report/" not in k} == before
 
 
 # ------------------------------------------------------------------ 2. a lying file is refused
@@ -234,7 +240,7 @@ def test_disk_full_during_a_training_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", half_then_full)
     out = tmp_path / "run"
     args = ["train", "es", "--model", tiny_spec(), "--out", out, "--iterations", "1", *ES_FAST]
-    refused(args, match="checkpoints/final: no space left on device")
+    refused(args, match="checkpoints/final: no space left on device", alone=False)  # after its progress line
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == []  # no final, no final.tmp-*
     assert RunDir(out).state() is None
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", real)
@@ -306,8 +312,8 @@ def test_bad_values_are_refused_before_any_work(ckpt, tmp_path):
         refused(["sparsify", X, "--base", "tiny", "--thresholds", tau, *j], match="must be a finite number >= 0",
                 inputs=[ckpt])
     refused(["sparsify", X, "--base", "tiny", "--task", "nope", *j], match="unknown task", inputs=[ckpt])
-    refused(["report", "tiny", X, "--task", "nope", "-o", tmp_path / "r.html"], match="unknown task", inputs=[ckpt])
-    refused(["report", "tiny", X, "--task", "arith", "--sparsify", "nan", "-o", tmp_path / "r.html"],
+    refused(["report", "tiny", X, "--task", "nope", "-o", tmp_path / "r"], match="unknown task", inputs=[ckpt])
+    refused(["report", "tiny", X, "--task", "arith", "--sparsify", "nan", "-o", tmp_path / "r"],
             match="must be a finite number", inputs=[ckpt])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["X.safetensors"]  # no r.cache/, no out.json
 
@@ -316,8 +322,8 @@ def test_bad_values_are_refused_before_any_work(ckpt, tmp_path):
 
 
 def test_diversity_messages_name_its_own_options(ckpt, tmp_path):
-    line = refused(["diversity", ckpt, "--prompts", "1", "--samples", "1"], match="pass --config", inputs=[ckpt])
-    assert "--config" in run_cli(["diversity", "--help"]).output
+    line = refused(["diversity", ckpt, "--prompts", "1", "--samples", "1"], match="pass --arch", inputs=[ckpt])
+    assert "--arch" in run_cli(["diversity", "--help"]).output
     refused(["diversity", "tiny", "--members", "1"], match="--members must be >= 2")
     r = run_cli(["diversity", ckpt, "--config", "tiny", "--members", "2", "--prompts", "1", "--samples", "1",
                  "--max-new-tokens", "4", "--json", tmp_path / "d.json"])
