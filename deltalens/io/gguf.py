@@ -2,7 +2,8 @@
 
 Quantized tensors are dequantized to float32, names are mapped to HF Llama names, and the q/k row
 permutation that llama.cpp's converter applies is undone, so GGUF tensors line up with HF tensors (same
-logic as transformers' LlamaTensorProcessor._reverse_permute_weights). Deltas against a GGUF base carry
+logic as transformers' LlamaTensorProcessor._reverse_permute_weights); Gemma 3's norm weights, stored by
+llama.cpp as the acting scale 1 + w, are returned as w, as transformers holds them. Deltas against a GGUF base carry
 its quantization error (SmolLM2-135M-Instruct ships as Q4_1: "the base" is that 4-bit model dequantized).
 """
 
@@ -27,18 +28,27 @@ _GGUF_BLOCK = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 has four norms per block: llama.cpp's ffn_norm is its pre-feedforward norm, and the norm after
+# attention is a tensor of its own (transformers' Gemma3DecoderLayer names)
+_GGUF_BLOCK_GEMMA3 = {**_GGUF_BLOCK, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
 # archs whose q/k rows llama.cpp permutes (convert_hf_to_gguf.py LlamaModel.permute)
 _GGUF_PERMUTED = {"llama", "mistral"}
-_GGUF_ARCHS = {"llama", "mistral", "qwen2", "qwen3"}
+_GGUF_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma3"}
+# archs whose RMSNorm computes x * (1 + w): llama.cpp stores 1 + w (the scale that acts), transformers and
+# deltalens hold w, so 1 is subtracted on read (as transformers' Gemma2TensorProcessor does)
+_GGUF_NORM_SHIFT = {"gemma3"}
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """Map a llama.cpp tensor name to its HF Llama-family name (unknown names are returned as-is)."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str:
+    """Map a llama.cpp tensor name to its HF name for `arch` (unknown names are returned as-is)."""
     if name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[name]
+    block = _GGUF_BLOCK_GEMMA3 if arch == "gemma3" else _GGUF_BLOCK
     parts = name.split(".")  # blk.N.<tensor>.<weight|bias>
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_BLOCK:
-        return f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in block:
+        return f"model.layers.{parts[1]}.{block[parts[2]]}.{parts[3]}"
     return name
 
 
@@ -72,7 +82,7 @@ class GGUFSource(TensorSource):
             raise DeltalensError(f"{file}: GGUF architecture {arch!r} is not supported (only "
                                  f"{', '.join(sorted(_GGUF_ARCHS))}); convert it to safetensors first")
         tensors = {t.name: t for t in self._reader.tensors}
-        self._tensors = {gguf_to_hf_name(n): t for n, t in tensors.items()}
+        self._tensors = {gguf_to_hf_name(n, arch): t for n, t in tensors.items()}
         self.config = {
             "model_type": arch,
             "num_attention_heads": self._field(f"{arch}.attention.head_count"),
@@ -83,6 +93,7 @@ class GGUFSource(TensorSource):
             "tie_word_embeddings": "output.weight" not in tensors,
         }
         self._permuted = arch in _GGUF_PERMUTED
+        self._norm_shift = arch in _GGUF_NORM_SHIFT
 
     def _field(self, key):
         f = self._reader.fields.get(key)
@@ -119,6 +130,8 @@ class GGUFSource(TensorSource):
         if self._permuted and (".q_proj." in name or ".k_proj." in name):
             heads = self.config["num_attention_heads" if ".q_proj." in name else "num_key_value_heads"]
             w = unpermute_qk(w, int(heads))
+        if self._norm_shift and name.endswith("norm.weight"):
+            w = w - 1  # stored as the acting scale 1 + w (see _GGUF_NORM_SHIFT)
         return w.contiguous()
 
     def close(self):

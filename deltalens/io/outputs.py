@@ -25,6 +25,8 @@ from pathlib import Path
 from deltalens.errors import DeltalensError
 from deltalens.io.runs import RUN_ENTRIES, RunDir
 from deltalens.io.spec import ModelRef, resolve
+from deltalens.io.wheel_models import MODELS as WHEEL_MODELS
+from deltalens.io.wheel_models import cached_path
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ def model_inputs(spec: str | os.PathLike) -> list[_Input]:
         return [_Input(_real(p), str(spec), "run_dir")]
     if p.exists():
         ref = ModelRef(str(spec), "hf_dir" if p.is_dir() else "weights", p)
+    elif str(spec) in WHEEL_MODELS:  # its cache folder, without assembling it just to compare paths
+        return [_Input(_real(cached_path(str(spec)).parent), str(spec), "model_dir")]
     else:
         try:
             ref = resolve(str(spec))  # tiny, smollm2, hub ids

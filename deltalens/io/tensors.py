@@ -32,7 +32,7 @@ from deltalens.io.gguf import GGUFSource
 from deltalens.io.runs import RunDir
 from deltalens.io.safetensors import SafetensorsSource
 from deltalens.io.source import Borrowed, DictSource, TensorSource, one_line
-from deltalens.io.spec import ModelRef, resolve
+from deltalens.io.spec import NAMED_MODELS, ModelRef, resolve
 from deltalens.io.torchfile import torch_load
 
 
@@ -82,7 +82,7 @@ def _open_dir(d: Path) -> TensorSource:
 
 def resolve_checkpoint(spec: str | os.PathLike | ModelRef) -> Path:
     """The weights a spec names: a path as-is, a deltalens run directory's final (else latest)
-    checkpoint, or the model names 'tiny' / 'smollm2' understood everywhere in deltalens."""
+    checkpoint, or the named models (tiny, smollm2, ...: `deltalens.io.spec.NAMED_MODELS`)."""
     if isinstance(spec, ModelRef):
         return spec.path
     path = Path(spec).expanduser()
@@ -91,7 +91,7 @@ def resolve_checkpoint(spec: str | os.PathLike | ModelRef) -> Path:
             else path
     if path.exists():
         return path
-    if str(spec) in ("tiny", "smollm2"):
+    if str(spec) in NAMED_MODELS:
         return resolve(str(spec)).path
     raise DeltalensError(f"no such file: {spec}")
 
@@ -100,7 +100,7 @@ def open_tensors(path: str | os.PathLike | dict | ModelRef | TensorSource) -> Te
     """Open a checkpoint for streaming reads (see module docstring for formats). Close it when done.
 
     Also accepts a state dict (wrapped as-is), a TensorSource (returned as-is), a deltalens run
-    directory and the names 'tiny' / 'smollm2' (see `resolve_checkpoint`).
+    directory and the named models (see `resolve_checkpoint`).
     """
     if isinstance(path, dict):
         return DictSource(path)
@@ -131,7 +131,7 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = Path(path)
     if path.is_file() and path.suffix in TORCH_SUFFIXES:
         return torch_load(path)
-    if not path.exists() and str(path) not in ("tiny", "smollm2"):
+    if not path.exists() and str(path) not in NAMED_MODELS:
         raise DeltalensError(f"no such file: {path}")
     with open_tensors(path) as src:
         return {name: src.get(name) for name in src.names()}

@@ -124,6 +124,8 @@ def captured(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "train_es", es)
     monkeypatch.setattr(launch, "train_grpo", es)
     monkeypatch.setattr(chain_mod, "train_chain", chain)
+    # the chain's up-front model check loads the model: these tests only route options (e.g. --model some/dir)
+    monkeypatch.setattr(launch, "_check_chain_start", lambda config, preset: None)
     return seen
 
 
