@@ -40,7 +40,8 @@ from rich.progress import (
 from deltalens.errors import DeltalensError
 
 console = Console(stderr=True)  # logs, progress, errors
-out = Console()  # results (tables) on stdout, so `> file` and pipes get them and logs stay apart
+out = Console(markup=False)  # results (tables) on stdout, so `> file` and pipes get them and logs stay apart;
+# no markup: result tables hold user text (labels, paths, task specs) that must print as it is
 
 # ---- shared options
 Task = Annotated[str | None, typer.Option("--task", "-t", help="task spec: arith, add:digits=2,terms=3, countdown, "

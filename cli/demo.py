@@ -19,14 +19,15 @@ def demo(
     seed: c.Seed = 0,
 ):
     """The whole study at toy scale: base, ES, GRPO, ES->GRPO; Pass@K, diff, sparsify, diversity, verdicts, report."""
-    from deltalens.demo import run_demo
+    from deltalens.demo import demo_config, run_demo
 
-    from .study import show
+    from .study import _plan, show
 
+    plan = c.FirstWork(*_plan(demo_config(budget, limit, samples, seed), Path(out)))  # said before the first work
     with c.progress_bar() as bar:
-        factory = c.bar_factory(bar)
+        factory = plan.factory(c.bar_factory(bar))
         doc = run_demo(out, budget=budget, limit=limit, samples=samples, seed=seed, progress_factory=factory,
-                       log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"))
+                       log=plan.log(lambda s: c.console.print(f"[dim]{c.escape(s)}[/]")))
     evals = doc["evals"]
     first = evals["base"]
     table = Table(title=f"deltalens demo: {first['task']}, {first['n_problems']} test problems x {first['samples']} "
@@ -39,6 +40,6 @@ def demo(
     for lab, ev in evals.items():
         rel = doc["diff"].get(lab, {}).get("whole", {}).get("rel_l2")
         table.add_row(lab, *[f"{ev['pass_at_k'][k]:.3f}" for k in ks], "-" if rel is None else f"{rel:.2e}")
-    c.console.print(table)
-    c.console.print(f"seconds: {doc['study']['seconds']}")
+    c.out.print(table)
+    c.out.print(f"seconds: {doc['study']['seconds']}")
     show(doc, Path(out))

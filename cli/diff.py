@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from deltalens.errors import DeltalensError
 
@@ -76,7 +77,7 @@ def print_diff(doc: dict) -> None:
         for col in ("group", "n", "rel_l2", "l2", "max|Δ|", "changed", f">{d['tol']:g}"):
             t.add_column(col, justify="left" if col == "group" else "right")
         for name, m in [*d["groups"].items(), ("whole", d["whole"])]:
-            t.add_row(f"[bold]{name}[/]" if name == "whole" else name, _count(m["n"]),
+            t.add_row(Text(name, style="bold") if name == "whole" else name, _count(m["n"]),
                       _fmt(m["rel_l2"], ".2e"), _fmt(m["l2"], ".2e"), _fmt(m["max_abs"], ".2e"),
                       _fmt(m["frac_changed"], ".1%"), _fmt(m["frac_above_tol"], ".1%"))
         c.out.print(t)
@@ -144,10 +145,10 @@ def diff_cmd(
     print_diff(doc)
     if json_out is not None:
         write_json_atomic(doc, json_out)
-        c.console.print(f"wrote {json_out}")
+        c.console.print(f"wrote {json_out}", markup=False)
     if csv_out is not None:
         write_csv(doc, csv_out)
-        c.console.print(f"wrote {csv_out}")
+        c.console.print(f"wrote {csv_out}", markup=False)
 
 
 SPARSIFY_LIMIT = 100  # default test problems: a sweep of 6 evaluations x 100 x 32 fits minutes on tiny (README)
@@ -267,7 +268,7 @@ def sparsify_cmd(
     print_sparsify(doc, task)
     if json_out is not None:
         write_json_atomic(doc, json_out)
-        c.console.print(f"wrote {json_out}")
+        c.console.print(f"wrote {json_out}", markup=False)
 
 
 diff = diff_cmd

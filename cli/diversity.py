@@ -61,10 +61,13 @@ def diversity(
     check_outputs([Output(json_out, "--json")], models=[model, arch], files=[data])
     t = get_task(task or default_task(model), data=data, question_field=question_field, answer_field=answer_field)
     t.test(prompts)  # a jsonl task's data is read (and refused) now
+    plan = c.FirstWork(_plan_line(model, t, members=members, iteration=iteration, prompts=prompts, samples=samples,
+                                  sweep=sigmas, max_new_tokens=max_new_tokens))
     with c.progress_bar() as bar:
         tid = bar.add_task("diversity", total=None)
 
         def progress(done, total, stage):
+            plan.say()  # once the population is loaded, before its first member generates
             bar.update(tid, completed=done, total=total, description=stage)
 
         doc = diversity_analysis(model, t, label=label, members=members, sigma=sigma, iteration=iteration,
@@ -76,10 +79,28 @@ def diversity(
     if d.get("sigma_sweep"):
         c.out.print(_sweep_table(d["sigma_sweep"]))
     for note in d.get("notes", []):
-        c.console.print(f"[yellow]note:[/] {note}", highlight=False)
+        c.console.print(f"[yellow]note:[/] {c.escape(note)}", highlight=False)
     if json_out is not None:
         write_json_atomic(doc, json_out)
-        c.console.print(f"wrote {json_out}")
+        c.console.print(f"wrote {json_out}", markup=False)
+
+
+def _plan_line(model: str, task, *, members, iteration, prompts: int, samples: int, sweep, max_new_tokens) -> str:
+    """The sampling pass's cost (`deltalens.evaluation.cost.plan_line`): every member and the centre, each on the
+    first `prompts` test problems x `samples`; the σ sweep's passes come on top and are named, not counted."""
+    import json
+    from pathlib import Path
+
+    from deltalens.evaluation.cost import plan_line
+
+    n = members
+    if n is None and iteration is not None:  # the run's own population
+        n = json.loads((Path(model) / "config.json").read_text()).get("population")
+    n = n or 32
+    line = plan_line(what=f"diversity (N={n} members and the centre)", models=n + 1,
+                     problems=len(task.test(prompts)), samples=samples,
+                     max_new_tokens=max_new_tokens or task.max_new_tokens, model=model)
+    return line + (f"; the σ sweep ({len(sweep)} values) and the Fisher trace add to it" if sweep else "")
 
 
 def _check_options(*, members, sigma, iteration, prompts, samples, temperature, sweep, fisher_samples,

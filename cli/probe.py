@@ -80,9 +80,9 @@ def probe_cmd(
         es = res["es"]
         table.add_row(f"ES populations (N={es['members']}, σ={es['sigma']:g}) with unequal rewards",
                       f"{es['share_with_signal']:.2f} (std {es['mean_reward_std']:.3f})")
-    c.console.print(table)
-    c.console.print(f"[bold]verdict:[/] {c.escape(res['verdict'])}", highlight=False)
+    c.out.print(table)
+    c.out.print(f"verdict: {res['verdict']}", highlight=False)
     if json_out is not None:
         doc = analysis_document(model, [model_entry("model", model)], probe={"model": res})
         write_json_atomic(doc, json_out)
-        c.console.print(f"wrote {json_out}")
+        c.console.print(f"wrote {json_out}", markup=False)

@@ -97,4 +97,4 @@ def report(
             c.console.print(f"[yellow]warning:[/] {c.escape(w)}", highlight=False)
     write_json_atomic(doc, paths["analysis"])
     render_report(doc, paths["html"])
-    c.console.print(f"wrote {paths['html']} (analysis: {paths['analysis']})")
+    c.console.print(f"wrote {paths['html']} (analysis: {paths['analysis']})", markup=False)

@@ -47,7 +47,7 @@ from .tables import (
 SECTIONS: dict[str, tuple[str, str]] = {
     "diff": ("Weight deltas (distance, layers, groups, top coordinates)", "`deltalens diff`"),
     "evals": ("Pass@K evaluation", "`deltalens report ... --task T`"),
-    "sparsify": ("Sparsification of the update", "`deltalens report ... --task T --sparsify 5e-4,1e-3`"),
+    "sparsify": ("Sparsification of the update", "`deltalens report ... --task T --thresholds 5e-4,1e-3`"),
     "training": ("Training reward curves", "pass run directories (runs/es) rather than bare checkpoints"),
     "diversity": ("Population diversity", "`deltalens report ... --task T --diversity`"),
     "held_out": ("Forgetting on held-out tasks", "`deltalens report ... --task T --held-out arith-3,arith-long`"),

@@ -185,12 +185,12 @@ def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
 
 
 def _architecture(loc, config: str | None) -> str:
-    """The spec naming the architecture of a bare weights file: --config, else the directory beside it."""
+    """The spec naming the architecture of a bare weights file: --arch, else the directory beside it."""
     if config is not None:
         return config
     if not (Path(loc).parent / "config.json").exists():
-        raise DeltalensError(f"{loc} holds weights only; pass --config with the base model "
-                             "(e.g. --config tiny or an HF directory) to name its architecture")
+        raise DeltalensError(f"{loc} holds weights only; pass --arch with the base model "
+                             "(e.g. --arch tiny or an HF directory) to name its architecture")
     return str(Path(loc).parent)
 
 
@@ -220,11 +220,11 @@ def apply_state_dict(model, state_dict: dict[str, torch.Tensor], source: str = "
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
         raise DeltalensError(f"{source} does not match the architecture: {_mismatch(missing, unexpected)}; "
-                             "pass the right --config")
+                             "pass the right --arch")
     for k, v in state_dict.items():
         if tuple(v.shape) != tuple(own[k].shape):
             raise DeltalensError(f"{source}: shape mismatch for {k}: file {tuple(v.shape)} vs "
-                                 f"model {tuple(own[k].shape)}; pass the right --config")
+                                 f"model {tuple(own[k].shape)}; pass the right --arch")
     check_finite(state_dict.items(), source)
     with torch.no_grad():
         for k, v in state_dict.items():
@@ -258,7 +258,7 @@ def load_model(spec: str | ModelRef = "tiny", *, config: str | None = None, dtyp
         apply_state_dict(model, load_state_dict(loc), source=str(loc))
     else:
         if config is not None:
-            raise DeltalensError(f"--config is only for bare weight files (.pt/.safetensors), not {spec}")
+            raise DeltalensError(f"--arch is only for bare weight files (.pt/.safetensors), not {spec}")
         tok = load_tokenizer(ref)
         model = _from_pretrained(ref, td)
         if kind == "gguf":

@@ -81,7 +81,7 @@ def test_a_bare_file_is_refused_with_the_same_names(tmp_path):
     sd = load_file(MODEL_DIR / "model.safetensors")
     sd.pop(GONE)
     save_file(sd, tmp_path / "x.safetensors")
-    with pytest.raises(DeltalensError, match=f"does not match the architecture: missing {GONE}; pass the right --config"):
+    with pytest.raises(DeltalensError, match=f"does not match the architecture: missing {GONE}; pass the right --arch"):
         load_model(str(tmp_path / "x.safetensors"), config="tiny")
 
 
