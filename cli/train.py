@@ -4,6 +4,7 @@
     deltalens train grpo --model tiny --out runs/grpo --budget 1e6
     deltalens train chain --methods es,grpo --out runs/es-grpo --budget 1e6 --es-sigma 6e-3 --grpo-lr 5e-5
     deltalens train es --config run.yaml --out runs/x          # YAML supplies values; flags override it
+    deltalens train es --config runs/es/config.json --out runs/y  # a run's config.json: the same run again
     deltalens train resume runs/es [--iterations 60]            # continue a killed (or finished) run
 
 Every option of `es`, `grpo` and the stage options of `chain` (`--es-*`, `--grpo-*`) is generated from
@@ -46,7 +47,8 @@ def _run_params() -> list[inspect.Parameter]:
         p("out", Path | None, "--out", "-o", help="run directory to create"),
         p("resume", Path | None, "--resume", help="continue the run in this directory (its settings, plus the "
                                                   "options given, which may not change its trajectory)"),
-        p("config_file", Path | None, "--config", help="YAML (or JSON) file of options; flags given here override it"),
+        p("config_file", Path | None, "--config", help="YAML (or JSON) file of options, or a run's config.json (the "
+                                                       "same run again); flags given here override it"),
         p("preset", str | None, "--preset", help="hyperparameter preset: auto (the model's own, else paper), "
                                                  "paper, tiny"),
         p("overwrite", bool, "--overwrite", help="replace an existing run in --out", default=False),
@@ -100,7 +102,7 @@ def _chain(kwargs: dict) -> None:
     _run("chain", kwargs, given)
 
 
-_CHAIN_EXCLUDE = ("model", "task", "data", "question_field", "answer_field", "init_from", "budget")
+_CHAIN_EXCLUDE = ("model", "task", "data", "question_field", "answer_field", "init_from", "budget", "report_to")
 
 app.command("es")(c.guard(o.command(
     "es", "Evolution Strategies (Qiu et al. 2025): seeded in-place population search; exact resume.",

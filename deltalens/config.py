@@ -12,10 +12,23 @@ help line, and optionally
 
 From the fields, everything else is derived:
 
-    cfg.to_dict() / Cls.from_dict(d)        a run's config.json (unknown keys refused)
+    cfg.to_dict() / Cls.from_dict(d)        every field / back (unknown keys refused); a resume reads its
+                                            run's config.json with from_dict
+    cfg.to_dict(in_use=True)                the options a run's config.json stores (`needs` rules hold)
+    Cls.run_options(d)                      a run's config.json as the stored base of a new run
     Cls.resolve(preset=, yaml=, given=)     preset < YAML file < command line, with unknown YAML keys,
                                             wrong types and unused options refused before anything runs
     deltalens.cli.options                   typer options (name, help, type) for `deltalens train ...`
+
+A run's config.json is the options the run used, under their names (`to_dict(in_use=True)`: an option whose
+`needs` rule fails is left out, as it meant nothing), plus record fields apart from the options: RUN_KEYS
+(`method`, `deltalens_version`; a chain's also `stages`, `deltalens.training.chain`). What a setting derives
+is stored as resolved, beside its source (`budget` and the `iterations`/`steps` it gave). The same file is a
+valid `--config` (`is_run_config`: it has both RUN_KEYS): `run_options` checks the method, drops the records,
+and gives the options as the *stored* base of the new run (as a resume does), not as explicit YAML values, so
+no preset lies under them, a stored budget and its count are one setting (the command line may replace
+either) and the re-run is bit-identical. Older runs stored every field: an unused option there is dropped
+when it holds its default and refused otherwise (never silently ignored).
 
 A YAML file (`load_yaml`) is read within limits before anything is coerced: at most 64 KiB, 32 levels, 10,000
 values, integers of 100 characters, and no aliases (`*name`: the "billion laughs" expansion); a wrong value's
@@ -40,7 +53,12 @@ from typing import Any, ClassVar
 from deltalens.errors import DeltalensError
 
 NOT_NONE = object()  # `needs=("budget", NOT_NONE)`: the other field must be set
-RUN_KEYS = ("method", "deltalens_version")  # run-level keys config.json carries beside the fields
+RUN_KEYS = ("method", "deltalens_version")  # record fields a run's config.json carries beside the options
+
+
+def is_run_config(d: Any) -> bool:
+    """A deltalens run's config.json (it carries both record fields), as opposed to a hand-written config."""
+    return isinstance(d, dict) and all(k in d for k in RUN_KEYS)
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (),
@@ -100,23 +118,67 @@ class Config:
         return []
 
     # ---- config.json
-    def to_dict(self) -> dict:
-        """The run's config.json: {"method": METHOD, every field} (tuples as lists)."""
+    def to_dict(self, in_use: bool = False) -> dict:
+        """{"method": METHOD, every field} (tuples as lists); `in_use`: only the fields whose `needs` rule
+        holds (what a run's config.json stores: a re-run from it never trips a `needs` rule)."""
         out = {"method": self.METHOD}
         for f in dataclasses.fields(self):
+            if in_use and not self.in_use(f.name):
+                continue
             v = getattr(self, f.name)
             out[f.name] = list(v) if isinstance(v, tuple) else v
         return out
+
+    def in_use(self, name: str) -> bool:
+        """The field means something in this config: it has no `needs` rule, or its rule holds."""
+        needs = self.field(name).metadata.get("needs")
+        if needs is None:
+            return True
+        other, allowed = needs
+        value = getattr(self, other)
+        return value is not None if allowed is NOT_NONE else value in allowed
+
+    @classmethod
+    def run_options(cls, d: dict, source: str = "config") -> dict:
+        """A run's config.json (or a chain stage's config) as options for `resolve(stored=...)`.
+
+        The method is checked and the record fields dropped; unknown keys and wrong types are refused; an
+        option this config does not use (its `needs` rule fails) is dropped when it holds its default
+        (older runs stored every field) and refused otherwise. The values are checked together (a budget
+        must give the stored count)."""
+        if not isinstance(d, dict):
+            raise DeltalensError(f"{source} must be a mapping of option names to values")
+        cls._check_method(d, source)
+        values = cls.check_keys({k: v for k, v in d.items() if k not in RUN_KEYS}, source)
+        cfg = cls(**values)
+        out = {}
+        for name, v in values.items():
+            if cfg.in_use(name):
+                out[name] = v
+                continue
+            f = cls.field(name)
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if getattr(cfg, name) != default:
+                other, allowed = f.metadata["needs"]
+                want = "set" if allowed is NOT_NONE else " or ".join(map(str, allowed))
+                raise DeltalensError(f"{source}: {name} is {_describe(getattr(cfg, name))}, but it is only used "
+                                     f"when {other} is {want} (it is {_describe(getattr(cfg, other))}); drop {name} "
+                                     f"or set {other}")
+        return out
+
+    @classmethod
+    def _check_method(cls, d: dict, source: str) -> None:
+        method = d.get("method", cls.METHOD)
+        if method != cls.METHOD:
+            raise DeltalensError(f"{source} is a {brief(method)} config, not {cls.METHOD!r}; "
+                                 f"use `deltalens train resume` or `deltalens train {method}`")
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config") -> Config:
         """Rebuild from a run's config.json; unknown keys and another method's config are refused."""
         if not isinstance(d, dict):
             raise DeltalensError(f"{source} must be a mapping of option names to values")
-        method = d.get("method", cls.METHOD)
-        if method != cls.METHOD:
-            raise DeltalensError(f"{source} is a {method!r} config, not {cls.METHOD!r}; "
-                                 f"use `deltalens train resume` or `deltalens train {method}`")
+        cls._check_method(d, source)
         values = cls.check_keys({k: v for k, v in d.items() if k not in RUN_KEYS}, source)
         return cls(**values)
 
@@ -170,13 +232,9 @@ class Config:
     def check_needs(self, explicit: dict) -> None:
         """Refuse explicitly given options that this config does not use (their `needs` rule fails)."""
         for name in explicit:
-            needs = self.field(name).metadata.get("needs")
-            if needs is None:
-                continue
-            other, allowed = needs
-            value = getattr(self, other)
-            ok = value is not None if allowed is NOT_NONE else value in allowed
-            if not ok:
+            if not self.in_use(name):
+                other, allowed = self.field(name).metadata["needs"]
+                value = getattr(self, other)
                 want = "set" if allowed is NOT_NONE else " or ".join(map(str, allowed))
                 raise DeltalensError(
                     f"{flag_name(name)} is only used when {flag_name(other)} is {want} (it is "

@@ -2,13 +2,15 @@
 layout is known.
 
     runs/es/
-      config.json          method, hyperparameters, model spec, task, seed, deltalens version
+      config.json          the options in use (hyperparameters, model spec, task, seed) and the record fields
+                           method and deltalens_version; a valid `--config` (deltalens.config)
       metrics.jsonl        one JSON object per iteration/step (appended, flushed, fsynced)
       state.json           resume state: last completed iteration and the checkpoint it is in
       checkpoints/
         iter-000010/       HF-format directory (model.safetensors + config.json + tokenizer files)
         final/             the last weights, written when the run finishes
         iter-000010.pt     optional plain state dict (--save-pt)
+      tensorboard/, wandb/ with --report-to: the trackers' logs (deltalens.training.tracking)
 
       .lock                held (fcntl.flock) by the one process writing the run; holds its pid
 
@@ -48,8 +50,10 @@ from deltalens.io.quiet import quiet_transformers
 
 _ITER = re.compile(r"iter-(\d+)")
 LOCK_NAME = ".lock"
+TENSORBOARD_DIR, WANDB_DIR = "tensorboard", "wandb"  # --report-to logs (deltalens.training.tracking)
 # what a run directory itself holds (anything else in it, e.g. a report, is not part of the run)
-RUN_ENTRIES = ("config.json", "metrics.jsonl", "state.json", "checkpoints", LOCK_NAME, ".trl")
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "state.json", "checkpoints", LOCK_NAME, ".trl", TENSORBOARD_DIR,
+               WANDB_DIR)
 
 
 def read_json(path: Path, what: str = "file"):
@@ -193,7 +197,8 @@ class RunDir:
                 (self.path / "state.json").unlink(missing_ok=True)
             except OSError as e:
                 raise write_error(self.path, e) from None
-            shutil.rmtree(self.ckpt, ignore_errors=True)
+            for d in (self.ckpt, self.path / TENSORBOARD_DIR, self.path / WANDB_DIR):
+                shutil.rmtree(d, ignore_errors=True)
         try:
             self.ckpt.mkdir(parents=True, exist_ok=True)
         except OSError as e:

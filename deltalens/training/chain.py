@@ -13,6 +13,12 @@
       grpo/            a complete GRPO run (deltalens.training.grpo) that starts from es/'s final weights
                        (init_from = out/es; its KL reference is those weights too)
 
+`method`, `deltalens_version` and `stages` are the chain's record fields; the rest are ChainConfig options,
+and each stage's `config` is that stage run's own config.json content (`deltalens.config`: options in use).
+The file is a valid `deltalens train chain --config` that reproduces the chain (`ChainConfig.run_options`):
+the chain's options, and per method the options of its stages less those the chain sets itself, and less
+the iterations/steps when the chain has a budget (derived from it, and derived again the same way).
+
 Each stage after the first starts from the previous stage's final checkpoint: GRPO through `init_from`,
 ES through its `model`. With `budget`, the stages split it (equal shares by default, `fractions`) and
 each gets the most iterations/steps that fit its share. A killed chain resumes stage by stage:
@@ -36,7 +42,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from deltalens import __version__
-from deltalens.config import NOT_NONE, Config, check, option
+from deltalens.config import NOT_NONE, Config, brief, check, option
 from deltalens.errors import DeltalensError
 from deltalens.io.atomic import atomic_dir, atomic_path, write_json_atomic
 from deltalens.io.runs import RunDir
@@ -53,12 +59,14 @@ from deltalens.training.budget import (
 )
 from deltalens.training.es.config import ESConfig
 from deltalens.training.grpo.config import GRPOConfig
+from deltalens.training.tracking import HELP as REPORT_TO_HELP
+from deltalens.training.tracking import normalize_report_to, require
 
 METHODS = ("es", "grpo")
 STAGE_CONFIGS = {"es": ESConfig, "grpo": GRPOConfig}
 TASK_FIELDS = ("data", "question_field", "answer_field")
 # stage fields the chain sets itself: never per stage
-CHAIN_OWNED = ("model", "task", *TASK_FIELDS, "init_from", "budget")
+CHAIN_OWNED = ("model", "task", *TASK_FIELDS, "init_from", "budget", "report_to")
 
 
 @dataclass
@@ -83,6 +91,7 @@ class ChainConfig(Config):
                       default_factory=dict, cli=False)
     grpo: dict = option(None, "GRPO stage options (GRPOConfig fields; --grpo-<field> on the command line)",
                         default_factory=dict, cli=False)
+    report_to: str = option("none", REPORT_TO_HELP + "; every stage logs in its own run directory")
 
     def __post_init__(self):
         self.methods = tuple(self.methods)
@@ -95,6 +104,7 @@ class ChainConfig(Config):
         ])
         if self.budget is not None:
             self.budget = parse_budget(self.budget)
+        self.report_to = normalize_report_to(self.report_to)
         for method, cls in STAGE_CONFIGS.items():
             opts = getattr(self, method)
             if not isinstance(opts, dict):
@@ -122,10 +132,54 @@ class ChainConfig(Config):
         cfg = super().resolve(preset=None, yaml=yaml, given=given, stored=stored, source=source)
         return dataclasses.replace(cfg, **stages)
 
+    @classmethod
+    def run_options(cls, d: dict, source: str = "config", *, budget_given: bool = False) -> dict:
+        """A chain run's config.json as ChainConfig options (a mapping for `resolve(yaml=...)`), with
+        `es`/`grpo` holding the options of the method's stages (see module docstring); start the chain on
+        the `paper` preset, so nothing but these options decides it. `budget_given`: the command line gives a
+        new budget, which replaces the stored counts as well."""
+        if not isinstance(d, dict):
+            raise DeltalensError(f"{source} must be a mapping of option names to values")
+        stages = d.get("stages")
+        if not isinstance(stages, list) or not all(isinstance(st, dict) and isinstance(st.get("config"), dict)
+                                                   for st in stages):
+            raise DeltalensError(f"{source}: stages must be a list of {{method, dir, config}} mappings (as a "
+                                 "chain run writes them)")
+        if set(d) & set(METHODS):
+            raise DeltalensError(f"{source}: a chain run's config.json holds its stage options in `stages`, not in "
+                                 f"{' or '.join(sorted(set(d) & set(METHODS)))}")
+        top = {k: v for k, v in d.items() if k not in ("method", "deltalens_version", "stages")}
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in CHAIN_OWNED:  # a chain option recorded only in its stages (the first stage's value)
+            if key in names and key not in top and stages and key in stages[0]["config"]:
+                top[key] = stages[0]["config"][key]
+        out = super().run_options(top, source)
+        methods = list(out.get("methods", cls.field("methods").default))
+        method = d.get("method", "-".join(methods))
+        if [st.get("method") for st in stages] != methods or method != "-".join(methods):
+            raise DeltalensError(f"{source}: its method, methods and stages disagree; restore it from the run")
+        count_derived = budget_given or out.get("budget") is not None
+        for m in METHODS:
+            seen = []
+            for st in stages:
+                if st["method"] != m:
+                    continue
+                where = f"{source}, stage {brief(st.get('dir'), 40)}"
+                opts = STAGE_CONFIGS[m].run_options(st["config"], where)
+                drop = set(CHAIN_OWNED) | ({STAGE_CONFIGS[m].COUNT} if count_derived else set())
+                seen.append({k: v for k, v in opts.items() if k not in drop})
+            if any(x != seen[0] for x in seen[1:]):
+                raise DeltalensError(f"{source}: its {m} stages hold different options; a chain gives every {m} "
+                                     "stage the same ones")
+            if seen:
+                out[m] = seen[0]
+        return out
+
     def stage_presets(self, preset: str) -> dict:
         """method -> the stage's config: the preset plus the stage options (the chain then points it at
         its model, task and previous stage, and sets its count from the budget: `stage_configs`)."""
-        return {m: STAGE_CONFIGS[m].resolve(preset=preset, given=getattr(self, m)) for m in METHODS
+        return {m: STAGE_CONFIGS[m].resolve(preset=preset, given={**getattr(self, m), "report_to": self.report_to})
+                for m in METHODS
                 if m in self.methods}
 
 
@@ -225,6 +279,8 @@ def train_chain(out: str | Path, methods: Sequence[str] = ("es", "grpo"), *, mod
     cfgs = None
     if not resume:  # refused before the run directory is created: a bad task, data, model or budget leaves none
         run.check_create(overwrite)
+        for c in (es_config, grpo_config):
+            require(c.report_to if c is not None else "none")  # a missing tracker package: before any work
         get_task(task, data=data, question_field=question_field, answer_field=answer_field).test()
         resolve(model)
         cfgs = stage_configs(out, methods, model, task, {"es": es_config, "grpo": grpo_config},
@@ -258,8 +314,10 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
                                  {"es": es_config, "grpo": grpo_config}, task_fields, stored.get("budget"),
                                  stored.get("fractions"))
     top = {"method": "-".join(methods), "methods": methods, "model": model, "task": task, **task_fields,
-           "budget": budget, "fractions": list(fractions) if fractions is not None else None,
-           "stages": [{"method": m, "dir": d, "config": c.to_dict()} for m, d, c in zip(methods, dirs, cfgs)],
+           "budget": budget, **({"fractions": list(fractions) if fractions is not None else None}
+                                if budget is not None else {}),  # options in use only (deltalens.config)
+           "stages": [{"method": m, "dir": d, "config": c.to_dict(in_use=True)}
+                      for m, d, c in zip(methods, dirs, cfgs)],
            "deltalens_version": __version__}
     if resume:
         stored.update({"stages": top["stages"], "deltalens_version": __version__})

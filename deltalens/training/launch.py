@@ -10,6 +10,15 @@ Without a task anywhere, the model's default task is used (`deltalens.presets.de
 the run's stored config instead of a preset; options that decide the trajectory may not change
 (`deltalens.training.run.check_resume`). Everything is validated before the run directory is touched,
 the output directory first (`deltalens.io.outputs`: it may not hold or lie inside an input).
+
+A run's own config.json is a valid `--config` (`deltalens.config.is_run_config`):
+
+    start("es", yaml_path="runs/es/config.json", out="runs/es-again")     # the same run, bit-identical
+
+Its options are the stored base of the new run, as on a resume (`Config.run_options`; a chain's:
+`ChainConfig.run_options`), with the command line above them; no preset applies (`--preset` is refused),
+nor the model's default task. Another method's run config is refused with one line naming the command
+that takes it; `--resume` with a run's config.json is refused too (a resume reads its own).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from deltalens.config import Config, brief, load_yaml
+from deltalens.config import Config, brief, is_run_config, load_yaml
 from deltalens.errors import DeltalensError
 from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
@@ -33,37 +42,51 @@ CHAIN_METHODS = ("es-grpo", "grpo-es")  # what a chain's config.json says in "me
 Progress = Callable[[int, int, "dict | None"], None]
 
 
-def _yaml(path: str | Path | None, method: str) -> tuple[dict, str | None]:
-    """The YAML mapping (run-level keys removed) and the preset it names, if any."""
+def _yaml(path: str | Path | None, method: str) -> tuple[dict, str | None, bool]:
+    """(the YAML mapping with its record fields removed, the preset it names, whether it is a run's
+    config.json); a mapping for another method is refused."""
     if path is None:
-        return {}, None
+        return {}, None, False
     data = load_yaml(path)
+    run = is_run_config(data)
     named = data.pop("method", None)
     data.pop("deltalens_version", None)
-    if named is not None and named != method and not (method == "chain" and named in CHAIN_METHODS):
-        if named not in (*CONFIGS, *CHAIN_METHODS):  # any YAML value: never echo it whole
+    chain_run = run and "stages" in data
+    target = "chain" if named in CHAIN_METHODS or chain_run else named
+    if target is not None and target != method:
+        if target not in tuple(CONFIGS):  # any YAML value (a list too): never echo it whole
             raise DeltalensError(f"{path}: method must be one of {', '.join((*CONFIGS, *CHAIN_METHODS))} "
                                  f"(got {brief(named)})")
-        raise DeltalensError(f"{path} is a {named!r} config; use `deltalens train {named}` for it")
-    if method == "chain" and "stages" in data:
-        raise DeltalensError(f"{path} is a chain run's config.json; continue that run with `deltalens train "
-                             "resume DIR`")
-    return data, data.pop("preset", None)
+        what = "a run's config.json for method" if run else "a"
+        what = f"{what} {brief(named, 40)}" + ("" if run else " config")
+        raise DeltalensError(f"{path} is {what}; use `deltalens train {target}` for it")
+    if run:
+        return data, None, True
+    return data, data.pop("preset", None), False
 
 
 def make_config(method: str, *, given: dict | None = None, yaml_path: str | Path | None = None,
                 preset: str | None = None) -> tuple[Config, str]:
-    """The config of a new `method` run and the preset used. `given`: command-line options actually passed."""
+    """The config of a new `method` run and the preset used. `given`: command-line options actually passed.
+    A run's config.json as `yaml_path` gives that run's config (module docstring)."""
     if method not in CONFIGS:
         raise DeltalensError(f"unknown method {method!r}; use one of {', '.join(CONFIGS)}")
     cls = CONFIGS[method]
     given = dict(given or {})
-    yaml, yaml_preset = _yaml(yaml_path, method)
+    yaml, yaml_preset, run = _yaml(yaml_path, method)
+    source = str(yaml_path) if yaml_path is not None else "the config file"
+    if run:
+        if preset is not None:
+            raise DeltalensError(f"--preset does not apply to {yaml_path}: a run's config.json holds every setting "
+                                 "of its run; drop --preset")
+        if cls is ChainConfig:
+            options = ChainConfig.run_options(yaml, source, budget_given=given.get("budget") is not None)
+            return ChainConfig.resolve(yaml=options, given=given, source=source), "paper"
+        return cls.resolve(stored=cls.run_options(yaml, source), given=given, source=source), "paper"
     model = given.get("model") or yaml.get("model") or cls.field("model").default
     preset = preset or yaml_preset or "auto"
     if preset == "auto":
         preset = auto_preset(model)
-    source = str(yaml_path) if yaml_path is not None else "the config file"
     if "task" not in given and "task" not in yaml:
         given["task"] = default_task(model)
     if cls is ChainConfig:
@@ -83,7 +106,10 @@ def start(method: str, *, out: str | Path | None = None, resume: str | Path | No
         stored = _run_method(Path(resume))
         if stored != method and not (method == "chain" and stored in CHAIN_METHODS):
             raise DeltalensError(f"{resume} is a {stored} run; continue it with `deltalens train resume {resume}`")
-        yaml, _ = _yaml(yaml_path, method)
+        yaml, _, run = _yaml(yaml_path, method)
+        if run:
+            raise DeltalensError(f"{yaml_path} is a run's config.json: --resume continues {resume} with its own; "
+                                 "drop --config (or start a new run from it with --out)")
         return resume_run(resume, given={**yaml, **(given or {})}, progress=progress)
     if out is None:
         raise DeltalensError("pass --out DIR for a new run (or --resume DIR to continue one)")

@@ -1,6 +1,7 @@
 """Run plumbing shared by every trainer (ES, GRPO; chains build on both).
 
 - `make_task(config)`: the task a config names (task, data, question/answer fields), data checked.
+- `run_config(config)`: the run's config.json (options in use + record fields; `deltalens.config`).
 - `open_run(run, config, resume=...)`: create the run directory, or re-open it for an exact resume
   after checking that no setting that decides the trajectory changed; returns the resume state. The
   caller holds the run's writer lock (`RunDir.writing`) and has validated everything else first.
@@ -33,8 +34,10 @@ def make_task(config):
 
 
 def run_config(config: Config) -> dict:
-    """What config.json holds: the config's fields, its method and the deltalens version."""
-    return {**config.to_dict(), "deltalens_version": __version__}
+    """What config.json holds: the options the config uses (`Config.to_dict(in_use=True)`) and the record
+    fields, its method and the deltalens version; the file is a valid `--config` that reproduces the run
+    (`Config.run_options`)."""
+    return {**config.to_dict(in_use=True), "deltalens_version": __version__}
 
 
 def check_resume(stored: Config, given: Config, run_dir: Path) -> None:
