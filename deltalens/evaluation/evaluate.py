@@ -37,7 +37,8 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
              progress: Callable[[int, int], None] | None = None, keep_completions: int = 0,
              split: str = "test", chat_template: str = "auto", problems: Sequence | None = None,
              model_spec: str | None = None, config: str | None = None,
-             on_samples: Callable[[list, list[list[str]]], None] | None = None) -> dict:
+             on_samples: Callable[[list, list[list[str]]], None] | None = None,
+             compute_dtype: str = "fp32") -> dict:
     """Sample `samples` completions for each problem of a split (test: what evaluations report;
     validation: what tuning looks at) and score them (the `evals` schema entry). `problems` replaces the
     split (e.g. a run's own training problems, `deltalens.training.trained`; name them with `split`).
@@ -47,6 +48,7 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
     (total = problems x samples). model_spec (and config, for bare weights): what the model was loaded
     from, which keys its measured rate (`cost`); without it, the loaded model's config does.
     on_samples(problems, completions) is called once with every completion (completions[i][j]).
+    compute_dtype: of the default HF backend (fp32, bf16, auto: `deltalens.generation.dtype`).
     """
     problems = task.split(split, limit) if problems is None else list(problems)[:limit]
     if not problems:
@@ -54,7 +56,7 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
     ks = parse_ks(ks)
     params = SamplingParams(n=samples, temperature=temperature, top_p=top_p,
                             max_new_tokens=max_new_tokens or task.max_new_tokens, seed=seed)
-    backend = backend or HFBackend(model, tokenizer, chat_template=chat_template)
+    backend = backend or HFBackend(model, tokenizer, chat_template=chat_template, compute_dtype=compute_dtype)
     total = len(problems) * samples
     done = [0]
 
@@ -97,7 +99,8 @@ def _record(model, backend, spec, config, max_new_tokens, sequences, seconds) ->
 def evaluate_state_dict(base_model_spec: str, state_dict: dict[str, torch.Tensor], task: str | Task, *,
                         samples: int = 32, ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6,
                         limit: int | None = None, seed: int = 0, model_cache: dict | None = None,
-                        chat_template: str = "auto", backend=None, progress=None) -> dict:
+                        chat_template: str = "auto", backend=None, progress=None,
+                        compute_dtype: str = "fp32") -> dict:
     """Evaluate `state_dict` applied onto the architecture (and tokenizer) of `base_model_spec`.
 
     Pass a dict as `model_cache` to reuse one loaded model across calls (sparsification sweeps). Or pass a
@@ -121,7 +124,8 @@ def evaluate_state_dict(base_model_spec: str, state_dict: dict[str, torch.Tensor
             model_cache[base_model_spec] = (model, tok)
     apply_state_dict(model, state_dict, source="state dict")
     return evaluate(model, tok, t, samples=samples, ks=ks, temperature=temperature, limit=limit, seed=seed,
-                    chat_template=chat_template, progress=progress, model_spec=base_model_spec)
+                    chat_template=chat_template, progress=progress, model_spec=base_model_spec,
+                    compute_dtype=compute_dtype)
 
 
 def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] | None = None,
@@ -131,10 +135,11 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
                     chat_template: str = "auto", progress_factory=None, device: str = "auto",
                     split: str = "test", problems: Sequence | None = None, keep_completions: int = 2,
                     on_samples: Callable[[str, list, list[list[str]]], None] | None = None,
-                    log: Callable[[str], None] | None = None) -> dict:
+                    log: Callable[[str], None] | None = None, compute_dtype: str = "fp32") -> dict:
     """Evaluate each model on `task`; returns an analysis.json-shaped dict with `models` and `evals`.
 
     device: where the HF backend runs the model (cpu, cuda, cuda:N, auto); vLLM places its own.
+    compute_dtype: what the HF backend generates in (fp32, bf16, auto: `deltalens.generation.dtype`).
     problems: score these instead of the split (`split` then names them, e.g. "trained").
     Ks above `samples` become `samples` (`fit_ks`); the note saying so goes to `log`.
     keep_completions: completions kept per problem in `per_problem` (for reports).
@@ -151,7 +156,7 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
     result = new_document(None, [], evals={})
     for spec, label in zip(specs, labels):
         be, model, tok = backend_for_spec(backend, spec, dtype=dtype, config=config, device=device,
-                                          chat_template=chat_template)
+                                          chat_template=chat_template, compute_dtype=compute_dtype)
         n = len(task.split(split, limit) if problems is None else list(problems)[:limit])
         prog = progress_factory(label, n * samples) if progress_factory else None
         try:

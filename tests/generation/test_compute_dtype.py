@@ -1,0 +1,165 @@
+"""Compute dtype of HF generation: auto picks bf16 only where bf16 is fast (AMX-BF16 CPU, bf16 GPU), bf16
+generation runs on a bf16 copy that follows the master weights and leaves them bit-identical, and
+non-fp32 weights generate as they are."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from support import small_llama
+
+from deltalens.errors import DeltalensError
+from deltalens.generation import HFBackend, SamplingParams, backend_for_spec, make_backend
+from deltalens.generation import dtype as cd
+
+GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+PROMPTS = ["Q: 1+2=?\nA:", "Q: 10+20+30=?\nA:", "x"]
+
+
+def checksum(model) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny generate calls: a thread team only waits on a busy machine
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("flags", "want"), [
+    ({"avx512f", "avx512_bf16"}, torch.float32),  # bf16 instructions but no AMX: not faster
+    (set(), torch.float32),
+    ({"avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16),
+])
+def test_auto_picks_bf16_only_on_a_cpu_with_amx(monkeypatch, flags, want):
+    monkeypatch.setattr(cd, "cpu_flags", lambda: frozenset(flags))
+    assert cd.resolve_compute_dtype("auto", "cpu") == want
+    assert cd.resolve_compute_dtype("auto", "cpu", hidden_size=576) == want
+    model, tok = small_llama(hidden=576, layers=1, heads=9, kv_heads=3, intermediate=64)
+    assert HFBackend(model, tok, compute_dtype="auto").dtype == want
+    # a narrow model (tiny's width and below) stays fp32 even with AMX: its matmuls gain nothing
+    assert cd.resolve_compute_dtype("auto", "cpu", hidden_size=128) == torch.float32
+    model, tok = small_llama()
+    assert HFBackend(model, tok, compute_dtype="auto").dtype == torch.float32
+    # explicit names do not look at the CPU
+    assert cd.resolve_compute_dtype("fp32", "cpu") == torch.float32
+    assert cd.resolve_compute_dtype("bf16", "cpu") == torch.bfloat16
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_auto_on_cuda_follows_bf16_support(monkeypatch, supported):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: supported)
+    monkeypatch.setattr(cd, "cpu_flags", lambda: frozenset({"amx_bf16"}))  # the CPU's flags do not count
+    assert cd.resolve_compute_dtype("auto", "cuda:0") == (torch.bfloat16 if supported else torch.float32)
+
+
+def test_cpu_flags_reads_proc_cpuinfo():
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), None)
+    assert cd.cpu_flags() == (frozenset(line.partition(":")[2].split()) if line else frozenset())
+
+
+def test_low_precision_weights_generate_as_they_are():
+    for master in (torch.bfloat16, torch.float16):
+        for name in cd.COMPUTE_DTYPES:
+            assert cd.resolve_compute_dtype(name, "cpu", master) == master
+    model, tok = small_llama(dtype=torch.bfloat16)
+    be = HFBackend(model, tok, compute_dtype="fp32")
+    be.generate(PROMPTS, GREEDY)
+    assert be.compute_model is None and next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_unknown_compute_dtype_is_one_line_error(monkeypatch):
+    model, tok = small_llama()
+    for make in (lambda: HFBackend(model, tok, compute_dtype="fp16"),
+                 lambda: make_backend("hf", model, tok, compute_dtype="int8")):
+        with pytest.raises(DeltalensError, match="unknown compute dtype .* auto, fp32, bf16"):
+            make()
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded a model before checking --compute-dtype")
+
+    monkeypatch.setattr("deltalens.io.models.load_model", no_load)
+    with pytest.raises(DeltalensError, match="unknown compute dtype"):
+        backend_for_spec("hf", "tiny", compute_dtype="bf32")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_generation_leaves_master_bit_identical(tied):
+    model, tok = small_llama(tied=tied, hidden=64, heads=4, kv_heads=2, intermediate=128)
+    before = checksum(model)
+    be = HFBackend(model, tok, compute_dtype="bf16")
+    out = be.generate(PROMPTS, SamplingParams(n=2, temperature=0.8, max_new_tokens=12))
+    be.generate(PROMPTS, GREEDY)
+    assert checksum(model) == before
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    cm = be.compute_model
+    assert cm is not model and all(q.dtype == torch.bfloat16 for q in cm.parameters())
+    assert {p.data_ptr() for p in model.parameters()}.isdisjoint(q.data_ptr() for q in cm.parameters())
+    assert all(b.dtype == torch.float32 for b in cm.buffers() if b.is_floating_point())  # rotary: not cast
+    if tied:
+        assert cm.lm_head.weight is cm.model.embed_tokens.weight
+    assert len(out) == len(PROMPTS) and all(len(c) == 2 for c in out)
+
+
+def test_bf16_generation_is_the_bf16_cast_model():
+    """Same completions as a model whose parameters (only) were cast to bf16 by hand."""
+    model, tok = small_llama(hidden=64, heads=4, kv_heads=2, intermediate=128)
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    want = HFBackend(ref, tok).generate(PROMPTS, GREEDY)
+    assert HFBackend(model, tok, compute_dtype="bf16").generate(PROMPTS, GREEDY) == want
+    # and a difference from fp32 exists somewhere, so the comparison means something
+    logits = [m(**tok(PROMPTS[1], return_tensors="pt")).logits for m in (model, ref)]
+    assert not torch.equal(logits[0], logits[1].float())
+
+
+def test_bf16_copy_follows_updates_of_the_master():
+    model, tok = small_llama(hidden=64, heads=4, kv_heads=2, intermediate=128)
+    be = HFBackend(model, tok, compute_dtype="bf16")
+    first = be.generate(PROMPTS, GREEDY)
+    with torch.no_grad():
+        torch.manual_seed(1)
+        for p in model.parameters():
+            p.data.add_(torch.randn_like(p), alpha=0.5)  # through .data: no version counter sees it
+    after = be.generate(PROMPTS, GREEDY)
+    assert after == HFBackend(model, tok, compute_dtype="bf16").generate(PROMPTS, GREEDY)
+    assert after != first
+
+
+def test_eval_cli_passes_compute_dtype_through(monkeypatch):
+    from support import run_cli
+
+    import deltalens.evaluation as ev
+
+    seen = {}
+
+    def stop(*a, **kw):
+        seen.update(kw)
+        raise DeltalensError("stopped here")
+
+    monkeypatch.setattr(ev, "evaluate_models", stop)
+    r = run_cli(["eval", "tiny", "--limit", "1", "--samples", "1", "--k", "1", "--compute-dtype", "bf16"])
+    assert r.exit_code == 2 and seen["compute_dtype"] == "bf16"
+    run_cli(["eval", "tiny", "--limit", "1", "--samples", "1", "--k", "1"])
+    assert seen["compute_dtype"] == "auto"  # the default (tiny itself resolves to fp32: hidden 128)
+    monkeypatch.undo()
+    r = run_cli(["eval", "tiny", "--limit", "1", "--samples", "1", "--k", "1", "--compute-dtype", "fp16"])
+    assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1] == \
+        "error: unknown compute dtype 'fp16'; choose one of auto, fp32, bf16"
