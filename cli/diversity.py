@@ -64,11 +64,13 @@ def diversity(
     plan = c.FirstWork(_plan_line(model, t, members=members, iteration=iteration, prompts=prompts, samples=samples,
                                   sweep=sigmas, max_new_tokens=max_new_tokens))
     with c.progress_bar() as bar:
-        tid = bar.add_task("diversity", total=None)
+        tid = []
 
         def progress(done, total, stage):
-            plan.say()  # once the population is loaded, before its first member generates
-            bar.update(tid, completed=done, total=total, description=stage)
+            if not tid:  # the population is loaded: say the cost, then open the bar, before any generation
+                plan.say()
+                tid.append(bar.add_task(stage, total=total))
+            bar.update(tid[0], completed=done, total=total, description=stage)
 
         doc = diversity_analysis(model, t, label=label, members=members, sigma=sigma, iteration=iteration,
                                  prompts=prompts, samples=samples, temperature=temperature, seed=seed,

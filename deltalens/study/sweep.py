@@ -49,9 +49,10 @@ from deltalens.training.es.train import train_es
 from deltalens.training.grpo.train import train_grpo
 from deltalens.training.launch import CONFIGS as TRAIN_CONFIGS
 from deltalens.training.launch import train_unless_finished
+from deltalens.training.tracking import require
 
 CONFIGS: dict[str, type[Config]] = {m: TRAIN_CONFIGS[m] for m in ("es", "grpo")}  # a sweep trains single runs
-NOT_SWEPT = ("model", "task", "data", "question_field", "answer_field", "seed", "init_from")
+NOT_SWEPT = ("model", "task", "data", "question_field", "answer_field", "seed", "init_from", "report_to")
 Log = Callable[[str], None]
 
 
@@ -181,6 +182,7 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
     fixed.setdefault("task", default_task(model))
     preset = auto_preset(model) if preset in (None, "auto") else preset
     runs = plan(method, grid, fixed, preset=preset, ev=ev, out=out)
+    require(runs[0]["config"].report_to)  # a missing tracker package
     check_outputs([Output(out, "--out", directory=True)], models=[model], files=[fixed.get("data")])
     first = runs[0]["config"]
     task = get_task(first.task, data=first.data, question_field=first.question_field,
@@ -193,7 +195,8 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
     uses_chat(tok, first.chat_template)
     del _, tok
     out.mkdir(parents=True, exist_ok=True)
-    diff = pin_json({"method": method, "model": model, "preset": preset, "fixed": {k: str(v) for k, v in fixed.items()},
+    pinned = {k: str(v) for k, v in fixed.items() if k != "report_to"}  # tracking changes no point's meaning
+    diff = pin_json({"method": method, "model": model, "preset": preset, "fixed": pinned,
                      "limit": ev.limit, "samples": ev.samples, "temperature": ev.temperature}, out / "sweep-settings.json")
     if diff:
         raise DeltalensError(f"{out} is a sweep with other settings ({', '.join(sorted(diff))} differ); use another --out")

@@ -275,6 +275,29 @@ def test_progress_every_is_checked(monkeypatch):
 # ------------------------------------------------------------------------------------ cost up front
 
 
+def test_diversity_states_its_cost_before_its_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("DELTALENS_CACHE_DIR", str(tmp_path / "cache"))
+    r = run_cli(["diversity", tiny_spec(), "--task", "arith", "--members", "3", "--prompts", "2", "--samples", "2"])
+    assert r.exit_code == 0, r.output
+    n = get_task("arith").max_new_tokens
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("diversity (N=3 members and the centre): 4 models x 2 problems x 2 samples = 16 "
+                            f"generations (<= {n} new tokens each)"), r.stderr
+    assert "JS across members" in r.stdout and "JS across members" not in r.stderr
+
+
+def test_demo_states_its_study_cost(tmp_path):
+    """The demo says what the study it runs will evaluate (the same lines `deltalens study` prints)."""
+    from cli.study import _plan
+    from deltalens.demo import demo_config
+
+    cfg = demo_config(limit=100, samples=32)
+    lines = _plan(cfg, tmp_path / "demo")
+    runs = len(cfg.methods) * len(cfg.seeds)
+    assert lines[0].startswith(f"study Pass@K (the base at {cfg.base_seeds} sampling seeds, {runs} runs): "
+                               f"{cfg.base_seeds + runs} models x 100 problems x 32 samples"), lines
+
+
 def test_probe_and_study_state_their_cost_first(tmp_path, monkeypatch):
     """Said before the first generation (at the first progress bar or log line), after every up-front check."""
     import deltalens.study.run as study

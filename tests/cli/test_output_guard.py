@@ -93,6 +93,13 @@ PENDING = {("eval", "--log-samples")}
 NOT_OUTPUTS = {
     ("study", "--held-out"): "task names",
     ("report", "--held-out"): "task names",
+    # a choice of logger (none|tensorboard|wandb); what it writes goes inside the run directory the guard checks
+    ("study", "--report-to"): "a logger choice",
+    ("train chain", "--report-to"): "a logger choice",
+    ("train es", "--report-to"): "a logger choice",
+    ("train grpo", "--report-to"): "a logger choice",
+    ("sweep es", "--report-to"): "a logger choice",
+    ("sweep grpo", "--report-to"): "a logger choice",
 }
 
 _NAME = re.compile(r"^(-o|--(out|output|json|csv|log|save|write|dump|export)([-_].*)?"

@@ -52,6 +52,7 @@ ES_TABLE = {
     "rank": (["--rank", "4", "--noise", "lowrank"], 4),
     "population_batch": (["--population-batch", "8"], 8),
     "device": (["--device", "auto"], "auto"),
+    "report_to": (["--report-to", "tensorboard"], "tensorboard"),
 }
 GRPO_TABLE = {
     "model": (["--model", "some/dir"], "some/dir"),
@@ -91,6 +92,7 @@ GRPO_TABLE = {
     "device": (["--device", "cuda"], "cuda"),
     "use_vllm": (["--use-vllm", "--device", "cuda"], True),
     "vllm_mode": (["--vllm-mode", "server", "--use-vllm", "--device", "cuda"], "server"),
+    "report_to": (["--report-to", "wandb,tensorboard"], "wandb,tensorboard"),
 }
 CHAIN_TABLE = {
     "methods": (["--methods", "grpo,es"], ("grpo", "es")),
@@ -101,6 +103,7 @@ CHAIN_TABLE = {
     "answer_field": (["--answer-field", "a"], "a"),
     "budget": (["--budget", "2e5"], 2e5),
     "fractions": (["--fractions", "0.25,0.75", "--budget", "2e5"], (0.25, 0.75)),
+    "report_to": (["--report-to", "tensorboard"], "tensorboard"),  # handed to every stage
 }
 
 
@@ -148,11 +151,13 @@ def test_each_chain_option_reaches_its_field(field, captured, tmp_path):
     words, want = CHAIN_TABLE[field]
     r = run_cli(["train", "chain", "--out", tmp_path / "run", *words])
     assert r.exit_code == 0, r.output
-    got = {"methods": tuple(captured["methods"]), "fractions": captured.get("fractions")}.get(field, captured.get(field))
+    got = {"methods": tuple(captured["methods"]), "fractions": captured.get("fractions"),
+           "report_to": " and ".join(dict.fromkeys(captured[f"{m}_config"].report_to for m in ("es", "grpo")))
+           }.get(field, captured.get(field))
     assert got == want
 
 
-STAGE_EXCLUDED = {"model", "task", "data", "question_field", "answer_field", "init_from", "budget"}
+STAGE_EXCLUDED = {"model", "task", "data", "question_field", "answer_field", "init_from", "budget", "report_to"}
 
 
 @pytest.mark.parametrize(("method", "field"),

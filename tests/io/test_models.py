@@ -61,7 +61,7 @@ def test_bare_weights_onto_config(rand_model_dir, tmp_path, suffix):
     save_state_dict(sd, f)
     model, _ = load_model(str(f), config=str(rand_model_dir))
     assert all(torch.equal(model.state_dict()[k], sd[k]) for k in sd)
-    with pytest.raises(DeltalensError, match="--config"):
+    with pytest.raises(DeltalensError, match="--arch"):
         load_model(str(f))  # no config.json beside it
     from deltalens.io.models import load_config
 

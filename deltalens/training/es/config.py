@@ -14,6 +14,8 @@ from typing import ClassVar
 from deltalens.config import Config, check, option
 from deltalens.generation.prompts import CHAT_MODES
 from deltalens.training.budget import iterations_for_budget, parse_budget
+from deltalens.training.tracking import HELP as REPORT_TO_HELP
+from deltalens.training.tracking import normalize_report_to
 
 FITNESS = ("zscore", "centered_rank")
 NOISE = ("full", "lowrank")
@@ -77,6 +79,7 @@ class ESConfig(Config):
                           needs=("backend", ("ray",)))
     threads_per_worker: int = option(1, "ray backend: torch threads per actor", needs=("backend", ("ray",)))
     save_pt: bool = option(False, "also write a plain state dict (.pt) beside each checkpoint")
+    report_to: str = option("none", REPORT_TO_HELP)
     noise: str = option("full", "full (dense ε per tensor) or lowrank (EGGROLL: rank-r A·Bᵀ/√r on 2-D weights, "
                         "dense ε on 1-D)", trajectory=True)
     rank: int = option(1, "lowrank noise: rank r of each 2-D perturbation", needs=("noise", ("lowrank",)),
@@ -104,6 +107,7 @@ class ESConfig(Config):
         if isinstance(self.params, str):
             self.params = tuple(p.strip() for p in self.params.split(",") if p.strip())
         self.params = tuple(self.params)
+        self.report_to = normalize_report_to(self.report_to)
         check([
             (self.population >= 2, f"population must be >= 2 (got {self.population}); set --population"),
             (not self.antithetic or self.population % 2 == 0,

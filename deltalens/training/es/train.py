@@ -3,7 +3,9 @@
 Per iteration: the P prompts of (seed, iteration); every member's reward from the backend (local, Ray
 or vLLM: `deltalens.training.es.backends`); shaped fitness z; the update θ += (α/N) Σ z_i ε_i applied
 by the backend on every replica; one metrics row (rewards, fitness, seeds, update RMS, weights
-checksum, timings); a checkpoint every `checkpoint_every` iterations and at the end.
+checksum, timings); a checkpoint every `checkpoint_every` iterations and at the end. With `report_to`,
+each row is mirrored to TensorBoard / W&B in the run directory (`deltalens.training.tracking`: reward
+mean/std, the members' rewards as a histogram, the update's RMS and norm, validation Pass@1, timings).
 
 Exact resume: the state of a run is (seed, step) plus the weights (evosax style), so a checkpoint and
 its checksum resume a killed run bit-identically; settings that decide the trajectory may not change.
@@ -20,11 +22,13 @@ from pathlib import Path
 from deltalens.errors import DeltalensError
 from deltalens.io.models import load_model
 from deltalens.io.runs import RunDir, checkpoint_name
+from deltalens.training.budget import es_units
 from deltalens.training.es.backends import make_backend
 from deltalens.training.es.config import ESConfig
 from deltalens.training.es.engine import ESEngine
 from deltalens.training.es.strategy import fitness_shaping, iteration_problems
-from deltalens.training.run import held_out_pass_at_1, make_task, open_run
+from deltalens.training.run import held_out_pass_at_1, make_task, open_run, run_config
+from deltalens.training.tracking import Tracker, require
 
 
 @dataclass
@@ -57,6 +61,7 @@ def train_es(config: ESConfig, out: str | Path, resume: bool = False,
     (tests use {"fail_at": (iteration, member)} to kill a Ray worker).
     """
     # everything that can be refused is refused before the run directory is created or touched
+    require(config.report_to)  # a missing tracker package
     run = RunDir(out)
     task = make_task(config)
     engine = None
@@ -86,32 +91,43 @@ def _train(run: RunDir, config: ESConfig, task, engine: ESEngine | None, resume:
     if engine is None:  # a resume: the engine starts from the latest checkpoint
         model, tok = load_model(model_spec, dtype=config.dtype, device=config.device)
         engine = ESEngine(model, tok, task, config)
-    model, tok = engine.model, engine.tok
     if state and state.get("checksum") and start > 0 and engine.checksum() != state["checksum"]:
         raise DeltalensError(f"checkpoint {model_spec} does not match the checksum in state.json; "
                              "it was modified or is corrupt: restore it or start a new run")
     backend = make_backend(config, engine, model_spec, backend_options)
     try:
-        if start == 0 and config.eval_every:
-            run.log({"iteration": 0, "eval": _held_out(engine)})
-        if progress:
-            progress(start, config.iterations, None)
-        for it in range(start + 1, config.iterations + 1):
-            row = _iteration(engine, backend, it)
-            if config.eval_every and (it % config.eval_every == 0 or it == config.iterations):
-                row["eval"] = _held_out(engine)
-            run.log(row)
-            st = ESState(config.seed, it, row["checksum"])
-            if it == config.iterations:
-                run.save(model, tok, "final", st.to_dict(), save_pt=config.save_pt)
-            elif config.checkpoint_every and it % config.checkpoint_every == 0:
-                run.save(model, tok, checkpoint_name(it), st.to_dict(), save_pt=config.save_pt)
-            if progress:
-                progress(it, config.iterations, row)
+        with Tracker(run.path, config.report_to, start=start, config=run_config(config)) as tracker:
+            _loop(run, config, engine, backend, start, progress, tracker)
     finally:
         backend.close()
         engine.close()
     return run.path
+
+
+def _loop(run: RunDir, config: ESConfig, engine: ESEngine, backend, start: int, progress, tracker: Tracker) -> None:
+    """Iterations start+1..config.iterations: a metrics row (mirrored to the trackers) and checkpoints each."""
+    model, tok = engine.model, engine.tok
+    norm = math.sqrt(engine.n_trained)  # update_rms -> ‖Δθ‖ of the update
+    if start == 0 and config.eval_every:
+        row = {"iteration": 0, "eval": _held_out(engine)}
+        run.log(row)
+        tracker.log_row(row)
+    if progress:
+        progress(start, config.iterations, None)
+    for it in range(start + 1, config.iterations + 1):
+        row = _iteration(engine, backend, it)
+        if config.eval_every and (it % config.eval_every == 0 or it == config.iterations):
+            row["eval"] = _held_out(engine)
+        run.log(row)
+        tracker.log_row(row, extra={"train/update_norm": row["update_rms"] * norm,
+                                    "train/units": es_units(it, config.prompts_per_iteration, config.population)})
+        st = ESState(config.seed, it, row["checksum"])
+        if it == config.iterations:
+            run.save(model, tok, "final", st.to_dict(), save_pt=config.save_pt)
+        elif config.checkpoint_every and it % config.checkpoint_every == 0:
+            run.save(model, tok, checkpoint_name(it), st.to_dict(), save_pt=config.save_pt)
+        if progress:
+            progress(it, config.iterations, row)
 
 
 def _iteration(engine: ESEngine, backend, it: int) -> dict:

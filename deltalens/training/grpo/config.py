@@ -16,6 +16,8 @@ from typing import ClassVar
 from deltalens.config import Config, check, finite, option
 from deltalens.generation.prompts import check_mode
 from deltalens.training.budget import parse_budget, steps_for_budget
+from deltalens.training.tracking import HELP as REPORT_TO_HELP
+from deltalens.training.tracking import normalize_report_to
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 STEP_FREE_SCHEDULERS = ("constant", "constant_with_warmup")  # LR independent of the total steps
@@ -84,6 +86,7 @@ class GRPOConfig(Config):
                              flags=("--checkpoint-every",))
     seed: int = option(0, "run seed: prompts and sampling are functions of (seed, step)", trajectory=True)
     save_pt: bool = option(False, "also write a plain state dict (.pt) beside each checkpoint")
+    report_to: str = option("none", REPORT_TO_HELP)
     device: str = option("cpu", "cpu, or cuda (Trainer places the model; multi-GPU via `accelerate launch`)")
     use_vllm: bool = option(False, "generate with vLLM (GPU only; TRL's use_vllm)")
     vllm_mode: str = option("colocate", "colocate (vLLM on the training GPUs) or server (`trl vllm-serve`)",
@@ -103,6 +106,7 @@ class GRPOConfig(Config):
 
     def __post_init__(self):
         self.chat_template = check_mode(self.chat_template)  # old runs stored true/false: on/off
+        self.report_to = normalize_report_to(self.report_to)
         self._resolve_steps()
         total = self.prompts_per_step * self.num_generations if (
             isinstance(self.prompts_per_step, int) and isinstance(self.num_generations, int)) else 0

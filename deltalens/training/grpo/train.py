@@ -16,6 +16,12 @@ interface) and makes its run look like an ES run to the rest of deltalens (`delt
     out/checkpoints/iter-XXXXXX.trainer.pt   optimizer + LR-scheduler state of that checkpoint
     out/checkpoints/final/ (+ final.trainer.pt)   the last weights; `load_model(out)` loads them
 
+With `report_to`, each row is also mirrored to TensorBoard / W&B in the run directory
+(`deltalens.training.tracking`): TRL's logged numbers under the names TRL's own `report_to` gives them
+(train/reward, train/kl, ...) plus the names ES shares (eval/pass_at_1, time/iteration_s, train/rewards),
+at the run's step. TRL's TrainingArguments keep `report_to="none"`: its callbacks would count a resumed
+run's steps from 1 again.
+
 Every file is written atomically and state.json last, so it only ever names a checkpoint whose weights
 and optimizer state are both complete; it also holds the weights' checksum
 (`deltalens.io.models.weights_checksum`, as ES stores), which a resume verifies before continuing.
@@ -83,7 +89,8 @@ from deltalens.io.spec import resolve
 from deltalens.tasks import CORRECT, problem_columns
 from deltalens.training.budget import grpo_units
 from deltalens.training.grpo.config import GRPOConfig
-from deltalens.training.run import held_out_pass_at_1, make_task, open_run
+from deltalens.training.run import held_out_pass_at_1, make_task, open_run, run_config
+from deltalens.training.tracking import Tracker, require
 
 # ----------------------------------------------------------------------------------------------
 # data, seeds, rewards
@@ -315,8 +322,8 @@ def _run_callback_class():
     class RunCallback(TrainerCallback):
         """Turns TRL's per-step logs into metrics rows, evaluations, checkpoints and progress calls."""
 
-        def __init__(self, run, config, task, tok, start, recorder, progress, resume_state):
-            self.run, self.config, self.task, self.tok = run, config, task, tok
+        def __init__(self, run, config, task, tok, start, recorder, progress, resume_state, tracker):
+            self.run, self.config, self.task, self.tok, self.tracker = run, config, task, tok, tracker
             self.start, self.recorder, self.progress = start, recorder, progress
             self.resume_state = resume_state
             self.trainer = None
@@ -338,13 +345,15 @@ def _run_callback_class():
                 return  # the end-of-training summary (train_runtime, ...)
             step = self.start + state.global_step
             cfg = self.config
-            row = metrics_row(step, logs, self.recorder.take(), cfg, time.perf_counter() - self.t_last)
+            rewards = self.recorder.take()
+            row = metrics_row(step, logs, rewards, cfg, time.perf_counter() - self.t_last)
             if not state.is_world_process_zero:
                 return
             m = self._model(model)
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 row["eval"] = _held_out(m, self.tok, self.task, cfg)
             self.run.log(row)
+            self.tracker.log_row(row, rewards=rewards)
             name = "final" if step == cfg.steps else (
                 checkpoint_name(step) if cfg.save_every and step % cfg.save_every == 0 else None)
             if name is not None:  # the checksum lets a resume verify the weights it continues from
@@ -419,6 +428,7 @@ def train_grpo(config: GRPOConfig, out: str | Path, resume: bool = False,
         raise DeltalensError("GRPO needs TRL: pip install 'deltalens[trl]' (trl and datasets)") from e
 
     # everything that can be refused is refused before the run directory is created or touched
+    require(config.report_to)  # a missing tracker package
     run = RunDir(out)
     main = int(os.environ.get("RANK", "0")) == 0  # under `accelerate launch` only rank 0 writes the run
     task = make_task(config)
@@ -471,28 +481,32 @@ def _train(run: RunDir, config: GRPOConfig, task, loaded, main: bool, resume: bo
     args.max_completion_length = max_new
     args.max_steps = config.steps - start
     recorder = RewardRecorder(task.reward_fn())
-    callback = _run_callback_class()(run, config, task, tok, start, recorder, progress, resume_state)
+    # only rank 0 tracks (as only rank 0 writes the run directory)
+    with Tracker(run.path, config.report_to if main else "none", start=start, config=run_config(config)) as tracker:
+        callback = _run_callback_class()(run, config, task, tok, start, recorder, progress, resume_state, tracker)
 
-    model.train()
-    if start == 0 and config.eval_every and main:
-        run.log({"iteration": 0, "units": 0, "eval": _held_out(model, tok, task, config)})
-    dataset = build_dataset(task, config, start + 1, config.steps, chat=uses_chat(tok, config.chat_template))
+        model.train()
+        if start == 0 and config.eval_every and main:
+            row = {"iteration": 0, "units": 0, "eval": _held_out(model, tok, task, config)}
+            run.log(row)
+            tracker.log_row(row)
+        dataset = build_dataset(task, config, start + 1, config.steps, chat=uses_chat(tok, config.chat_template))
 
-    from transformers import PrinterCallback, ProgressCallback
+        from transformers import PrinterCallback, ProgressCallback
 
-    with warnings.catch_warnings():
-        # transformers/TRL deprecation notices about their own internals: nothing a user can act on
-        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|trl)\b")
-        with quiet_transformers():  # TRL loads the KL reference with from_pretrained: no "Loading weights" bar
-            trainer = _trainer_class()(model=model, reward_funcs=recorder.reward, args=args,
-                                       train_dataset=dataset, processing_class=tok, callbacks=[callback])
-        trainer.step_offset, trainer.total_steps, trainer.run_seed = start, config.steps, config.seed
-        for cb in (PrinterCallback, ProgressCallback):
-            trainer.remove_callback(cb)
-        callback.trainer = trainer
-        if progress:
-            progress(start, config.steps, None)
-        trainer.train()
+        with warnings.catch_warnings():
+            # transformers/TRL deprecation notices about their own internals: nothing a user can act on
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|trl)\b")
+            with quiet_transformers():  # TRL loads the KL reference with from_pretrained: no "Loading weights" bar
+                trainer = _trainer_class()(model=model, reward_funcs=recorder.reward, args=args,
+                                           train_dataset=dataset, processing_class=tok, callbacks=[callback])
+            trainer.step_offset, trainer.total_steps, trainer.run_seed = start, config.steps, config.seed
+            for cb in (PrinterCallback, ProgressCallback):
+                trainer.remove_callback(cb)
+            callback.trainer = trainer
+            if progress:
+                progress(start, config.steps, None)
+            trainer.train()
     try:
         out_trl.rmdir()  # TRL writes nothing there with save_strategy="no"; keep it if it did
     except OSError:
