@@ -17,20 +17,25 @@ from . import common as c
 from . import options as o
 
 
-def show(doc: dict, out: Path) -> None:
-    """The verdict table on the terminal."""
+def show(doc: dict, out: Path, console=None) -> None:
+    """The verdict table, on stdout: it fits an 80-column terminal, each claim's full text wrapping on its own
+    row above its checks (nothing is cut), numbers to 3 significant digits."""
+    console = console or c.out
     study = doc["study"]
-    t = Table(title=Text(f"deltalens study: {study['config']['model']} on {study['config']['task']}"))  # user text
-    for col in ("claim", "check", "estimate", "95% interval", "verdict"):
-        t.add_column(col, justify="right" if col in ("estimate", "95% interval") else "left")
+    t = Table(title=Text(f"deltalens study: {study['config']['model']} on {study['config']['task']}"),  # user text
+              expand=False, pad_edge=False)
+    t.add_column("check", overflow="fold", ratio=1, min_width=24)
+    t.add_column("estimate", justify="right", no_wrap=True)
+    t.add_column("95% interval", justify="right", no_wrap=True)
+    t.add_column("verdict", no_wrap=True)
     for cl in study["claims"]:
-        t.add_row(f"({cl['id']})", Text(cl["title"][:60]), "", "", Text(cl["verdict"], style="bold"))
+        t.add_row(Text(f"({cl['id']}) {cl['title']}", style="bold"), "", "", Text(cl["verdict"], style="bold"))
         for ch in cl["checks"]:
             est, lo, hi = ch["estimate"], ch["ci_low"], ch["ci_high"]
-            t.add_row("", Text(ch["check"]), "-" if est is None else f"{est:.3g}",
+            t.add_row(Text("  " + ch["check"]), "-" if est is None else f"{est:.3g}",
                       "-" if lo is None or hi is None else f"[{lo:.3g}, {hi:.3g}]", Text(ch["verdict"]))
-    c.console.print(t)
-    c.console.print(study["rule"], highlight=False)
+    console.print(t)
+    console.print(study["rule"], markup=False, highlight=False)
     c.console.print(f"report: {out / 'report.html'}  analysis: {out / 'analysis.json'}  verdicts: "
                     f"{out / 'verdicts.csv'}, {out / 'verdicts.md'}", markup=False, highlight=False)
 
