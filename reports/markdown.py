@@ -56,16 +56,49 @@ def effects_table(study: dict) -> list[str]:
     return _table(["model", *(label[c] for c in cols)], rows)
 
 
+def adjusted(checks: list) -> bool:
+    """Whether a study's checks carry Holm-adjusted verdicts (studies from before issue #34 do not)."""
+    return any("p_holm" in as_dict(c) for c in checks)
+
+
+def holm_cells(c: dict, missing: str = "undefined") -> list[str]:
+    """The cells a Holm-adjusted check adds: the Monte Carlo SEs of its 95% bounds ("analytic" for a t or
+    Fieller interval), its interval at the Holm level, its p-value and Holm's, its unadjusted verdict."""
+    se = [num(c.get("mcse_low")), num(c.get("mcse_high"))]
+    if None in se:
+        mc = "—"
+    elif se == [0.0, 0.0] and c.get("interval") != "bootstrap":
+        mc = "analytic"
+    else:
+        mc = f"±{fmt_g(se[0])}, ±{fmt_g(se[1])}"
+    level = num(c.get("holm_level"))
+    held = fmt_ci(c.get("ci_low_holm"), c.get("ci_high_holm"), missing=missing)
+    held += "" if level is None else f" at {100 * level:.4g}%"
+    return [mc, held, f"{fmt_g(c.get('p_value'))} ({fmt_g(c.get('p_holm'))})", str(c.get("verdict_unadjusted", ""))]
+
+
+HOLM_HEAD = ["MC SE of bounds", "Holm interval", "p (Holm)", "unadjusted verdict"]
+
+
 def claims_table(study: dict) -> list[str]:
+    """The verdict table; for a Holm-adjusted study also each check's MC SEs, Holm-level interval, p-values
+    and unadjusted verdict, the verdict column being Holm's."""
+    claims = [as_dict(cl) for cl in as_list(study.get("claims"))]
+    holm = adjusted([c for cl in claims for c in as_list(cl.get("checks"))])
+    extra = len(HOLM_HEAD) if holm else 0
     rows = []
-    for cl in as_list(study.get("claims")):
-        cl = as_dict(cl)
-        rows.append([f"**{cl.get('id')}**", f"**{cl.get('title')}**", "", "", "", "", f"**{cl.get('verdict')}**"])
+    for cl in claims:
+        rows.append([f"**{cl.get('id')}**", f"**{cl.get('title')}**", "", "", "", *[""] * extra, "",
+                     f"**{cl.get('verdict')}**"])
         for c in as_list(cl.get("checks")):
             c = as_dict(c)
+            cells = holm_cells(c) if holm else []
             rows.append(["", c.get("check"), fmt_g(c.get("estimate")), per_seed_text(c),
-                         _ci(c.get("ci_low"), c.get("ci_high")),
-                         f"{c.get('direction')} vs {fmt_g(num(c.get('null')) or 0.0)}", c.get("verdict")])
+                         _ci(c.get("ci_low"), c.get("ci_high")), *cells[:3],
+                         f"{c.get('direction')} vs {fmt_g(num(c.get('null')) or 0.0)}", *cells[3:], c.get("verdict")])
+    if holm:
+        return _table(["#", "claim / check", "estimate", "per seed", "95% interval (unadjusted)", *HOLM_HEAD[:3],
+                       "paper's direction", HOLM_HEAD[3], "verdict (Holm)"], rows)
     return _table(["#", "claim / check", "estimate", "per seed", "95% interval", "paper's direction", "verdict"], rows)
 
 

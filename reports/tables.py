@@ -191,28 +191,39 @@ VERDICT_CLASS = {"reproduced": "up", "contradicted": "down", "mixed": "flat", "u
 
 
 def claims_table(ctx: Context) -> str | None:
-    """The study's verdicts: one row per claim, then its checks (estimate, 95% interval, paper's direction)."""
+    """The study's verdicts: one row per claim, then its checks (estimate, 95% interval, paper's direction);
+    for a Holm-adjusted study also each check's Monte Carlo SEs, Holm-level interval, p-values and unadjusted
+    verdict, the verdict column being Holm's."""
+    from .markdown import HOLM_HEAD, adjusted, holm_cells
+
     study = as_dict(ctx.analysis.get("study"))
     claims = as_list(study.get("claims"))
     if not claims:
         return None
+    holm = adjusted([c for cl in claims for c in as_list(as_dict(cl).get("checks"))])
     rows = []
     for cl in claims:
         cl = as_dict(cl)
         v = str(cl.get("verdict"))
-        rows.append(f'<tr class="claim"><th scope="row" colspan="5">({esc(cl.get("id"))}) {esc(cl.get("title"))}</th>'
+        rows.append(f'<tr class="claim"><th scope="row" colspan="{9 if holm else 5}">({esc(cl.get("id"))}) '
+                    f'{esc(cl.get("title"))}</th>'
                     f'<td><span class="delta {VERDICT_CLASS.get(v, "flat")}">{esc(v)}</span></td></tr>')
         for c in as_list(cl.get("checks")):
             c = as_dict(c)
             cv = str(c.get("verdict"))
             null = num(c.get("null")) or 0.0
+            cells = holm_cells(c, missing="—") if holm else []
             rows.append(f'<tr><td>{esc(c.get("check"))}</td><td class="num">{esc(fmt_g(c.get("estimate")))}</td>'
                         f'<td class="num">{esc(per_seed_text(c))}</td>'
                         f'<td class="num">{esc(fmt_ci(c.get("ci_low"), c.get("ci_high")))}</td>'
+                        + "".join(f'<td class="num">{esc(x)}</td>' for x in cells[:3]) +
                         f'<td class="num">{esc(c.get("direction"))} vs {esc(fmt_g(null))}</td>'
+                        + "".join(f"<td>{esc(x)}</td>" for x in cells[3:]) +
                         f'<td><span class="delta {VERDICT_CLASS.get(cv, "flat")}">{esc(cv)}</span></td></tr>')
-    head = "".join(f"<th>{h}</th>" for h in ("Check", "Estimate", "Per training seed", "95% interval",
-                                             "Paper's direction", "Verdict"))
+    names = (("Check", "Estimate", "Per training seed", "95% interval (unadjusted)", *HOLM_HEAD[:3],
+              "Paper's direction", HOLM_HEAD[3], "Verdict (Holm)") if holm else
+             ("Check", "Estimate", "Per training seed", "95% interval", "Paper's direction", "Verdict"))
+    head = "".join(f"<th>{h}</th>" for h in names)
     rule = f'<p class="caption">{esc(study.get("rule"))}</p>' if study.get("rule") else ""
     rule += f'<p class="caption">{esc(PER_SEED_NOTE)}</p>'
     return f'{rule}<table class="data"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'

@@ -24,7 +24,10 @@ and the effect is mean_i d_i. Its intervals (95%):
 
 Verdict rule (`verdict`), stated in every report: with the paper's direction +1 (raises) or -1
 (lowers), "reproduced" when the interval excludes 0 on the paper's side, "contradicted" when it excludes 0
-on the other side, "unclear" when it contains 0. Ratios (ES/GRPO distance) use 1 instead of 0.
+on the other side, "unclear" when it contains 0. Ratios (ES/GRPO distance) use 1 instead of 0. A bound
+within 2 Monte Carlo SEs of the null touches it (`MC_SES`; the SEs from `multiplicity.quantile_mcse`). The
+study applies it to Holm-adjusted intervals over all its checks (`deltalens.analysis.multiplicity`), tests
+"keeps" as non-inferiority (null: minus a margin), and counts problems lost (`problems_lost`).
 """
 
 from __future__ import annotations
@@ -43,12 +46,20 @@ RESAMPLES = 10_000  # the t_1 draw of 2 seeds is heavy-tailed: its 2.5% quantile
 # A bootstrap bound that is mathematically the null comes out as e.g. 4.4e-18 (float sums of per-problem
 # differences; seen in the SmolLM2 study: GRPO vs base, Pass@32, [4.44e-18, 0.213] was called contradicted).
 NULL_TOL = 1e-9
-RULE = ("Each check: reproduced when its 95% interval (bootstrap over test problems, with the spread over "
-        "training seeds drawn from a Student-t; a t interval over seeds for a value per training seed) lies "
-        "entirely on the paper's side of the null (0 for a difference, 1 or 40 for a distance ratio, 0.5 for a "
-        "share of a gain), contradicted when it lies entirely on the other side, unclear when it contains the "
-        "null (a bound within 1e-9 of it, relative for a null above 1, touches it: float rounding). A claim is "
+MC_SES = 2.0  # a bound within this many Monte Carlo SEs of the null touches it (issue #34)
+RULE = ("Each check: reproduced when its interval lies entirely on the paper's side of the null (0 for a "
+        "difference, 1 or 40 for a distance ratio, 0.5 for a share of a gain, minus the non-inferiority margin for "
+        "a 'keeps' check), contradicted when it lies entirely on the other side, unclear when it contains the null "
+        "(a bound within 1e-9 of it, relative for a null above 1, or within 2 Monte Carlo SEs of it for a "
+        "bootstrap bound, touches it). Intervals: a bootstrap over test problems with the spread over training "
+        "seeds drawn from a Student-t; a t interval over seeds for a value per training seed; Fieller's interval "
+        "for a share of a gain. Multiplicity: Holm's step-down over all the study's checks at familywise 5% "
+        "(two-sided p-values from the bootstrap replicates with the +1 correction, or from the t or Fieller "
+        "pivot); the verdict is Holm's: the check ranked r-th smallest p of m is judged on its 1 - 0.05/(m - r + 1) "
+        "interval, and only when Holm rejects it; the unadjusted 95% interval is shown beside. A claim is "
         "reproduced when all its checks are, contradicted when all are, mixed when some are, unclear otherwise.")
+NONINFERIORITY = ("A 'keeps' check is a non-inferiority test: reproduced when the lower bound of method minus "
+                  "base lies above -{margin:g} (the margin), contradicted when the upper bound lies below it.")
 
 
 def _matrix(values, what: str) -> np.ndarray:
@@ -67,14 +78,23 @@ def _seed_part(x: np.ndarray, rng: np.random.Generator, resamples: int) -> np.nd
     problem x seed noise alone puts there (residual mean square / P, two-way ANOVA by moments, floored at 0):
     that noise is already in the problem part, and counting it twice made the interval several times too
     wide at 2 seeds where the seeds do not differ (benchmarks/bench_stats_coverage.py)."""
-    s, p = x.shape
+    s = x.shape[0]
     if s < 2:
         return np.zeros(resamples)
+    return math.sqrt(seed_variance(x)) * rng.standard_t(s - 1, resamples)
+
+
+def seed_variance(x: np.ndarray) -> float:
+    """se_s^2 of `_seed_part` for a (S, P) table: the training-seed variance of the mean, sigma_a^2 / S
+    (0 for one seed). Also the seed term of the Fieller share (`multiplicity.fieller_share`)."""
+    s, p = x.shape
+    if s < 2:
+        return 0.0
     seed_means = x.mean(1)  # (S,)
     resid = x - x.mean(0) - seed_means[:, None] + x.mean()  # (S, P) problem x seed interaction + noise
     noise = float((resid ** 2).sum()) / ((s - 1) * (p - 1))
     var_a = max(0.0, float(seed_means.var(ddof=1)) - noise / p)
-    return math.sqrt(var_a / s) * rng.standard_t(s - 1, resamples)
+    return var_a / s
 
 
 def hierarchical_bootstrap(method, base, *, trained_base: bool = False, span: float | None = None,
@@ -84,6 +104,16 @@ def hierarchical_bootstrap(method, base, *, trained_base: bool = False, span: fl
     training runs (`trained_base`), not sampling seeds of one model. `method`: (S_m, P), `base`: (S_b, P).
     `span`: the largest |difference| the metric allows (1 for a share of problems solved); the t draw is
     unbounded, so with 2 seeds that disagree its replicates can pass it, and they are clipped to +-span."""
+    out = hierarchical_replicates(method, base, trained_base=trained_base, span=span, resamples=resamples,
+                                  seed=seed)
+    alpha = (1 - level) / 2
+    return float(np.quantile(out, alpha)), float(np.quantile(out, 1 - alpha))
+
+
+def hierarchical_replicates(method, base, *, trained_base: bool = False, span: float | None = None,
+                            resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
+    """The (resamples,) replicates `hierarchical_bootstrap` takes its percentiles of (the same draws for the
+    same seed); `multiplicity.Replicates` turns them into p-values, Holm-level intervals and Monte Carlo SEs."""
     m, b = _matrix(method, "method"), _matrix(base, "base")
     if m.shape[1] != b.shape[1]:
         raise DeltalensError(f"paired comparison needs the same problems ({m.shape[1]} vs {b.shape[1]})")
@@ -95,8 +125,7 @@ def hierarchical_bootstrap(method, base, *, trained_base: bool = False, span: fl
         out = out - _seed_part(b, rng, resamples)
     if span is not None:
         out = np.clip(out, -span, span)
-    alpha = (1 - level) / 2
-    return float(np.quantile(out, alpha)), float(np.quantile(out, 1 - alpha))
+    return out
 
 
 def problem_bootstrap(method, base, *, resamples: int = RESAMPLES, level: float = LEVEL,
@@ -112,18 +141,23 @@ def problem_bootstrap(method, base, *, resamples: int = RESAMPLES, level: float 
 
 
 def paired_effect(method, base, *, trained_base: bool = False, span: float | None = None,
-                  resamples: int = RESAMPLES, seed: int = 0) -> dict:
+                  resamples: int = RESAMPLES, seed: int = 0, replicates: bool = False) -> dict:
     """The effect of a method on one per-problem metric against the base (or, `trained_base`, against another
     trained method): estimate, each training seed's effect, and both intervals (`span`: see
-    `hierarchical_bootstrap`)."""
+    `hierarchical_bootstrap`). `replicates`: also return the hierarchical replicates (numpy, not JSON) under
+    "replicates", the ones `ci` is the percentile interval of."""
     m, b = _matrix(method, "method"), _matrix(base, "base")
     diff = m.mean(0) - b.mean(0)
-    return {"estimate": float(diff.mean()), "method": float(m.mean()), "base": float(b.mean()),
-            "per_seed": [float(x) for x in m.mean(1) - b.mean()],  # each training seed's effect: their spread
-            "ci_problems": list(problem_bootstrap(m, b, resamples=resamples, seed=seed)),
-            "ci": list(hierarchical_bootstrap(m, b, trained_base=trained_base, span=span, resamples=resamples,
-                                              seed=seed)),
-            "seeds": int(m.shape[0]), "base_seeds": int(b.shape[0]), "problems": int(m.shape[1])}
+    reps = hierarchical_replicates(m, b, trained_base=trained_base, span=span, resamples=resamples, seed=seed)
+    alpha = (1 - LEVEL) / 2
+    out = {"estimate": float(diff.mean()), "method": float(m.mean()), "base": float(b.mean()),
+           "per_seed": [float(x) for x in m.mean(1) - b.mean()],  # each training seed's effect: their spread
+           "ci_problems": list(problem_bootstrap(m, b, resamples=resamples, seed=seed)),
+           "ci": [float(np.quantile(reps, alpha)), float(np.quantile(reps, 1 - alpha))],
+           "seeds": int(m.shape[0]), "base_seeds": int(b.shape[0]), "problems": int(m.shape[1])}
+    if replicates:
+        out["replicates"] = reps
+    return out
 
 
 def gain_ratio(method, reference, base, *, resamples: int = RESAMPLES, level: float = LEVEL,
@@ -178,22 +212,32 @@ def mean_bootstrap(values: Sequence[float], *, resamples: int = RESAMPLES, level
         return math.nan, math.nan
     if np.ptp(v) == 0:
         return float(v[0]), float(v[0])
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, v.size, (resamples, v.size))].mean(1)
+    means = mean_replicates(v, resamples=resamples, seed=seed)
     alpha = (1 - level) / 2
     return float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
 
 
-def verdict(ci: Sequence[float], direction: int, null: float = 0.0) -> str:
+def mean_replicates(values: Sequence[float], *, resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
+    """The (resamples,) bootstrap means `mean_bootstrap` takes its percentiles of (same seed, same draws)."""
+    v = np.asarray(values, dtype=float)
+    rng = np.random.default_rng(seed)
+    return v[rng.integers(0, v.size, (resamples, v.size))].mean(1)
+
+
+def verdict(ci: Sequence[float], direction: int, null: float = 0.0,
+            mcse: Sequence[float] | None = None) -> str:
     """reproduced / contradicted / unclear from an interval and the paper's direction (+1 raises, -1 lowers);
-    an undefined interval (NaN: e.g. no gain to keep a share of) is unclear."""
+    an undefined interval (NaN: e.g. no gain to keep a share of) is unclear. `mcse`: the Monte Carlo SEs of
+    the two bounds (`multiplicity.quantile_mcse`); a bound within 2 of them of the null touches it, since
+    another set of replicates could put it on the null's other side."""
     lo, hi = ci
     if not (np.isfinite(lo) and np.isfinite(hi)):
         return "unclear"
     if direction not in (1, -1):
         raise ValueError("direction must be +1 or -1")
     tol = NULL_TOL * max(1.0, abs(null))
-    above, below = lo > null + tol, hi < null - tol
+    se_lo, se_hi = (0.0, 0.0) if mcse is None else (float(mcse[0]), float(mcse[1]))
+    above, below = lo > null + max(tol, MC_SES * se_lo), hi < null - max(tol, MC_SES * se_hi)
     if (above and direction > 0) or (below and direction < 0):
         return "reproduced"
     if (above and direction < 0) or (below and direction > 0):
@@ -201,11 +245,35 @@ def verdict(ci: Sequence[float], direction: int, null: float = 0.0) -> str:
     return "unclear"
 
 
-def rule_text() -> str:
-    return RULE
+def rule_text(margin: float | None = None) -> str:
+    """The verdict rule as every report states it; with `margin`, the non-inferiority sentence too."""
+    return RULE if margin is None else f"{RULE} {NONINFERIORITY.format(margin=margin)}"
+
+
+LOST_BASE_AT_LEAST = 4 / 32  # "problems lost": the base solves at least 4 of 32 samples (issue #34) ...
+LOST_METHOD_AT_MOST = 1  # ... and a run solves at most 1 of its samples
+
+
+def problems_lost(base_rates, method_correct, *, base_at_least: float = LOST_BASE_AT_LEAST,
+                  method_at_most: int = LOST_METHOD_AT_MOST) -> dict:
+    """The paper's narrowing counted directly: problems the base solves at a rate >= `base_at_least` (mean
+    over its sampling seeds; 4/32 by default) that a trained run drops to <= `method_at_most` correct samples
+    (1 of 32). `base_rates`: (S_b, P) correct/n of the base's evaluations; `method_correct`: (S_m, P) correct
+    counts of each training run. Returns `eligible` (the indices of the problems the base solves),
+    `per_seed` (each run's count of lost problems) and `lost`: (S_m, eligible) 0/1, one row per run, for a
+    paired comparison of two methods over the eligible problems (`paired_effect(..., trained_base=True)`).
+    A net Pass@K can hide it: a run may lose some problems and gain others."""
+    b, m = _matrix(base_rates, "base rates"), np.atleast_2d(np.asarray(method_correct, dtype=float))
+    if m.shape[1] != b.shape[1]:
+        raise DeltalensError(f"problems_lost needs the same problems ({m.shape[1]} vs {b.shape[1]})")
+    eligible = np.flatnonzero(b.mean(0) >= base_at_least - 1e-12)
+    lost = (m[:, eligible] <= method_at_most).astype(float)
+    return {"eligible": eligible, "per_seed": [int(x) for x in lost.sum(1)], "lost": lost}
 
 
 def table(rows: Sequence[dict]) -> pd.DataFrame:
     """The verdict table as a DataFrame (one row per claim check), for display and CSV export."""
-    cols = ["claim", "check", "method", "metric", "estimate", "ci_low", "ci_high", "direction", "null", "verdict"]
+    cols = ["claim", "check", "method", "metric", "estimate", "ci_low", "ci_high", "direction", "null", "verdict",
+            "verdict_unadjusted", "p_value", "p_holm", "holm_level", "ci_low_holm", "ci_high_holm", "mcse_low",
+            "mcse_high", "interval", "seed_spread"]
     return pd.DataFrame.from_records([{c: r.get(c) for c in cols} for r in rows], columns=cols)

@@ -10,6 +10,8 @@ from typing import ClassVar
 from deltalens.config import Config, check, option
 from deltalens.presets import default_task
 from deltalens.training.budget import parse_budget
+from deltalens.training.tracking import HELP as REPORT_TO_HELP
+from deltalens.training.tracking import normalize_report_to
 
 METHODS = ("es", "grpo", "es-grpo", "grpo-es")
 
@@ -43,11 +45,15 @@ class StudyConfig(Config):
     chat_template: str = option("auto", "prompts through the tokenizer's chat template: auto, on, off")
     backend: str = option("hf", "backend of the Pass@K and sparsity evaluations: hf, or vllm (docs/vllm.md); "
                           "training, entropy and diversity always run on HF")
+    report_to: str = option("none", REPORT_TO_HELP + "; each training run logs in its own directory")
     resamples: int = option(10000, "bootstrap resamples of every interval (heavy-tailed t draws at 2 seeds need many)")
+    noninferiority_margin: float = option(0.02, "non-inferiority margin of a 'keeps' check (ES keeps Pass@16/32): "
+                                          "reproduced when method minus base is surely above -margin")
 
     def __post_init__(self):
         self.methods, self.seeds, self.ks = tuple(self.methods), tuple(self.seeds), tuple(sorted(set(self.ks)))
         self.sparsity, self.held_out = tuple(self.sparsity), tuple(self.held_out)
+        self.report_to = normalize_report_to(self.report_to)
         check([
             (bool(self.methods) and set(self.methods) <= set(METHODS),
              f"--methods must be among {', '.join(METHODS)} (got {','.join(self.methods)})"),
@@ -62,6 +68,8 @@ class StudyConfig(Config):
             (self.sparsify_samples >= 1 and self.diversity_members >= 2 and self.diversity_prompts >= 1
              and self.entropy_prompts >= 1, "sample, member and prompt counts must be positive (members >= 2)"),
             (self.resamples >= 100, f"--resamples must be >= 100 (got {self.resamples})"),
+            (math.isfinite(self.noninferiority_margin) and 0 <= self.noninferiority_margin < 1,
+             f"--noninferiority-margin must lie in [0, 1) (got {self.noninferiority_margin})"),
             (self.backend in ("hf", "vllm"), f"--backend must be hf or vllm (got {self.backend!r})"),
         ])
         if self.budget is not None:

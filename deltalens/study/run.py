@@ -17,7 +17,8 @@ content hash of what it depends on (a rerun recomputes nothing that is done):
     entropy      token entropy of every model along its own samples
 
 and tests each claim of arXiv 2608.27351 as a set of directional checks with bootstrap intervals
-(`deltalens.analysis.stats`; the rule is stated in the report). Output: DIR/analysis.json (valid against
+(`deltalens.analysis.stats`; the rule is stated in the report), the verdicts Holm-adjusted over all the
+study's checks, with each bootstrap bound's Monte Carlo SE (`deltalens.analysis.multiplicity`). Output: DIR/analysis.json (valid against
 the schema, with the verdict table under `study`), DIR/report.html, DIR/verdicts.csv.
 
 DIR/study.json pins the settings the runs depend on (a rerun may add seeds or methods, not change them).
@@ -28,12 +29,13 @@ Everything a study can be refused for is checked before DIR is created or that f
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from deltalens.analysis import stats
+from deltalens.analysis import multiplicity, stats
 from deltalens.analysis.delta import diff_checkpoints
 from deltalens.analysis.document import analysis_document, model_entry
 from deltalens.analysis.report import Cache, training_section, weights_hash
@@ -56,6 +58,7 @@ from deltalens.training.grpo.config import GRPOConfig
 from deltalens.training.grpo.train import train_grpo
 from deltalens.training.launch import train_unless_finished
 from deltalens.training.run import make_task
+from deltalens.training.tracking import require
 
 NORM_ATTN = ("norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o", "attn_bias")
 EMBED_HEAD = ("embed", "lm_head")
@@ -86,7 +89,7 @@ def study_budget(cfg: StudyConfig) -> float:
 def run_plan(cfg: StudyConfig, out: Path) -> list[dict]:
     """Every (method, seed) run: its directory and the configs it trains with (nothing is trained here)."""
     preset, budget = _preset(cfg), study_budget(cfg)
-    common = {"model": cfg.model, "task": cfg.task, "chat_template": cfg.chat_template}
+    common = {"model": cfg.model, "task": cfg.task, "chat_template": cfg.chat_template, "report_to": cfg.report_to}
     plan = []
     for method in cfg.methods:
         for seed in cfg.seeds:
@@ -255,10 +258,33 @@ def per_problem(ev: dict, metric: str, k: int) -> list[float]:
 
 
 def _check(claim: int, check: str, method: str, metric: str, est: float, ci, direction: int,
-           null: float = 0.0, **extra) -> dict:
+           null: float = 0.0, *, evidence=None, seed_spread: bool = True, **extra) -> dict:
+    """One check. `evidence` (`multiplicity.Replicates`, `TStat` or `Fieller`; None: untestable) is what
+    `_adjust` derives the p-value, the Holm-level interval and the Monte Carlo SEs from; `seed_spread`:
+    whether its interval carries the spread over training seeds (claims 3 and 7 measure seed 0 only)."""
     return {"claim": claim, "check": check, "method": method, "metric": metric, "estimate": est,
             "ci_low": ci[0], "ci_high": ci[1], "direction": "+" if direction > 0 else "-", "null": null,
-            "verdict": stats.verdict(ci, direction, null), **extra}
+            "verdict": stats.verdict(ci, direction, null), "seed_spread": bool(seed_spread),
+            "_evidence": evidence, **extra}
+
+
+def _adjust(checks: list[dict]) -> list[dict]:
+    """Holm across every check of the study (`multiplicity.judge`): each check keeps its unadjusted 95%
+    interval (ci_low/ci_high, now from its evidence) with its bounds' Monte Carlo SEs and unadjusted verdict,
+    and gets its p-value, Holm's adjusted p, the Holm-level interval, and `verdict`: Holm's. In place."""
+    tests = [(c.pop("_evidence", None), float(c["null"]), 1 if c["direction"] == "+" else -1) for c in checks]
+    for c, (ev, _, _), res in zip(checks, tests, multiplicity.judge(tests)):
+        if ev is None:  # no evidence: the interval stays as it was (undefined), untestable
+            res = {**res, "ci_low": c["ci_low"], "ci_high": c["ci_high"]}
+        c.update(res)
+    return checks
+
+
+SEED_SPREAD = ("Seed spread: the checks of claims 1, 2, 4, 5 and 6 carry the spread over training seeds (a "
+               "Student-t seed part in the bootstrap, or a t interval over per-seed values; none for a method "
+               "trained with one seed); the checks of claims 3 and 7 measure the first seed's runs only "
+               "(sparsity of es/grpo seed 0, the population of es seed 0), so their intervals are over test "
+               "problems or prompts: what one run can tell, not what another seed would give.")
 
 
 def _claim_verdict(checks: list[dict]) -> str:
@@ -273,7 +299,8 @@ def _claim_verdict(checks: list[dict]) -> str:
 
 
 CLAIMS = {
-    1: "GRPO raises Pass@1 but lowers Pass@16/32; ES raises all three",
+    1: "GRPO raises Pass@1 but lowers Pass@16/32 and loses problems the base solved; ES raises Pass@1 and keeps "
+       "Pass@16/32",
     2: "ES moves 40-44x farther from initialization than GRPO (rel. L2)",
     3: "most of the Pass@1 gain survives high sparsity (one global τ), more than at equal sparsity by a "
        "random mask or at equal norm by a uniform shrink",
@@ -282,6 +309,91 @@ CLAIMS = {
     6: "GRPO collapses token entropy, ES does not",
     7: "the ES population is diverse (JS > 0) and its members cover more problems than the centre",
 }
+
+
+def _table_of(evs: list[dict], metric: str, k: int) -> list[list[float]]:
+    return [per_problem(e, metric, k) for e in evs]
+
+
+def _evaluation_checks(cfg: StudyConfig, base_evals: list[dict], run_evals: dict, by_method: dict,
+                       R: int) -> tuple[list[dict], dict]:
+    """Claims 1 and 5 from the evaluations: every method's effect on Pass@K/Maj@K against the base (the
+    `effects` the summary shows; the claim-1 checks are those very effects, one base definition: the mean
+    over the base's sampling seeds), GRPO's Pass@K checks, ES's Pass@1 (raises) and Pass@K>1 (keeps:
+    non-inferiority at `cfg.noninferiority_margin`), problems lost (`stats.problems_lost`: GRPO's count per
+    seed, and GRPO minus ES over the problems the base solves), and ES->GRPO against ES and GRPO."""
+    checks: list[dict] = []
+    effects = {}
+    for meth, runs in by_method.items():
+        evs = [run_evals[r["label"]] for r in runs]
+        for metric, ks in (("pass", cfg.ks), ("maj", [k for k in cfg.ks if k > 1])):  # Maj@1 = Pass@1
+            for k in ks:
+                effects[(meth, metric, k)] = stats.paired_effect(_table_of(evs, metric, k),
+                                                                 _table_of(base_evals, metric, k), span=1.0,
+                                                                 resamples=R, replicates=True)
+    margin = cfg.noninferiority_margin
+    k_hi = [k for k in cfg.ks if k > 1]
+    for meth, want in (("grpo", {1: +1, **{k: -1 for k in k_hi}}), ("es", {k: +1 for k in cfg.ks})):
+        if meth in by_method:
+            for k, d in want.items():
+                e = effects[(meth, "pass", k)]
+                keeps = meth == "es" and k > 1  # the paper's "keeps": not worse than the base by more than margin
+                name = (f"{meth} vs base, Pass@{k}: keeps (non-inferior, margin {margin:g})" if keeps
+                        else f"{meth} vs base, Pass@{k}")
+                checks.append(_check(1, name, meth, f"pass@{k}", e["estimate"], e["ci"], d,
+                                     null=-margin if keeps else 0.0, per_seed=e["per_seed"], base_value=e["base"],
+                                     evidence=multiplicity.Replicates(e["replicates"]), seed_spread=e["seeds"] > 1))
+    # problems lost: the narrowing itself, which a net Pass@K can hide
+    base_rates = [[r["correct"] / r["n"] for r in ev["per_problem"]] for ev in base_evals]
+    lost = {meth: stats.problems_lost(base_rates, [[r["correct"] for r in run_evals[x["label"]]["per_problem"]]
+                                                   for x in by_method[meth]])
+            for meth in ("grpo", "es") if meth in by_method}
+    what = f"base solves >= {stats.LOST_BASE_AT_LEAST * 32:g}/32, the run <= {stats.LOST_METHOD_AT_MOST}/{cfg.samples}"
+    if "grpo" in lost:
+        g = lost["grpo"]
+        counts = g["per_seed"]
+        checks.append(_check(1, f"grpo: problems lost per run ({what})", "grpo", "problems lost",
+                             sum(counts) / len(counts), stats.seed_interval(counts), +1, per_seed=counts,
+                             eligible=int(g["eligible"].size), evidence=multiplicity.TStat.from_seeds(counts),
+                             seed_spread=len(counts) > 1))
+        if "es" in lost:
+            n_elig = int(g["eligible"].size)
+            name = f"problems lost, grpo minus es (share of the {n_elig} the base solves)"
+            if n_elig >= 2:
+                e = stats.paired_effect(g["lost"], lost["es"]["lost"], trained_base=True, span=1.0, resamples=R,
+                                        replicates=True)
+                checks.append(_check(1, name, "grpo", "problems lost share", e["estimate"], e["ci"], +1,
+                                     per_seed=e["per_seed"], eligible=n_elig, lost_es=lost["es"]["per_seed"],
+                                     evidence=multiplicity.Replicates(e["replicates"]),
+                                     seed_spread=e["seeds"] > 1 or e["base_seeds"] > 1))
+            else:  # fewer than 2 problems to compare on: untestable, shown as such
+                checks.append(_check(1, name, "grpo", "problems lost share", math.nan, (math.nan, math.nan), +1,
+                                     eligible=n_elig, lost_es=lost["es"]["per_seed"]))
+    if "es-grpo" in by_method:
+        kmax = max(cfg.ks)
+        chain = [run_evals[r["label"]] for r in by_method["es-grpo"]]
+        for other in ("es", "grpo"):
+            if other in by_method:
+                a = _table_of(chain, "pass", kmax)
+                b = _table_of([run_evals[r["label"]] for r in by_method[other]], "pass", kmax)
+                e = stats.paired_effect(a, b, trained_base=True, span=1.0, resamples=R, replicates=True)
+                checks.append(_check(5, f"es-grpo vs {other}, Pass@{kmax}", "es-grpo", f"pass@{kmax}", e["estimate"],
+                                     e["ci"], +1, per_seed=e["per_seed"], evidence=multiplicity.Replicates(e["replicates"]),
+                                     seed_spread=e["seeds"] > 1 or e["base_seeds"] > 1))
+        if "grpo" in by_method:
+            a = _table_of(chain, "pass", 1)
+            g = _table_of([run_evals[r["label"]] for r in by_method["grpo"]], "pass", 1)
+            est, ev = multiplicity.fieller_share(a, g, _table_of(base_evals, "pass", 1))
+            checks.append(_check(5, "es-grpo keeps GRPO's Pass@1 gain (share, Fieller)", "es-grpo",
+                                 "pass@1 gain share", est, ev.interval(stats.LEVEL), +1, null=0.5, evidence=ev,
+                                 seed_spread=len(a) > 1 or len(g) > 1))
+    return checks, effects
+
+
+def effects_summary(effects: dict) -> dict:
+    """The study's `effects` (what the summary rows show): the same effects as the claim-1 checks."""
+    return {f"{meth}:{metric}@{k}": {kk: effects[(meth, metric, k)][kk] for kk in ("estimate", "method", "base", "ci")}
+            for (meth, metric, k) in effects}
 
 
 def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_factory=None) -> dict:
@@ -310,39 +422,8 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
         m.close_engine()  # the remaining measurements run on HF
         checks: list[dict] = []
 
-        def matrix(evs, metric, k):
-            return [per_problem(e, metric, k) for e in evs]
-
-        effects = {}
-        for meth, runs in by_method.items():
-            evs = [run_evals[r["label"]] for r in runs]
-            for metric, ks in (("pass", cfg.ks), ("maj", [k for k in cfg.ks if k > 1])):  # Maj@1 = Pass@1
-                for k in ks:
-                    effects[(meth, metric, k)] = stats.paired_effect(matrix(evs, metric, k),
-                                                                     matrix(base_evals, metric, k), span=1.0,
-                                                                     resamples=R)
-        k_hi = [k for k in cfg.ks if k > 1]
-        for meth, want in (("grpo", {1: +1, **{k: -1 for k in k_hi}}), ("es", {k: +1 for k in cfg.ks})):
-            if meth in by_method:
-                for k, d in want.items():
-                    e = effects[(meth, "pass", k)]
-                    checks.append(_check(1, f"{meth} vs base, Pass@{k}", meth, f"pass@{k}", e["estimate"], e["ci"], d,
-                                         per_seed=e["per_seed"]))
-        if "es-grpo" in by_method:
-            kmax = max(cfg.ks)
-            for other in ("es", "grpo"):
-                if other in by_method:
-                    a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", kmax)
-                    b = matrix([run_evals[r["label"]] for r in by_method[other]], "pass", kmax)
-                    e = stats.paired_effect(a, b, trained_base=True, span=1.0, resamples=R)
-                    checks.append(_check(5, f"es-grpo vs {other}, Pass@{kmax}", "es-grpo", f"pass@{kmax}", e["estimate"],
-                                         e["ci"], +1, per_seed=e["per_seed"]))
-            if "grpo" in by_method:
-                a = matrix([run_evals[r["label"]] for r in by_method["es-grpo"]], "pass", 1)
-                g = matrix([run_evals[r["label"]] for r in by_method["grpo"]], "pass", 1)
-                est, ci = stats.gain_ratio(a, g, matrix(base_evals, "pass", 1), resamples=R)
-                checks.append(_check(5, "es-grpo keeps GRPO's Pass@1 gain (share)", "es-grpo", "pass@1 gain share",
-                                     est, ci, +1, null=0.5))
+        new_checks, effects = _evaluation_checks(cfg, base_evals, run_evals, by_method, R)
+        checks.extend(new_checks)
 
         # -- distances (claim 2) and where the changes sit (claim 4)
         log("diffing every run against the base")
@@ -358,10 +439,12 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
             if ratios:
                 ci = stats.seed_interval(ratios)
                 est = sum(ratios) / len(ratios)
+                ev = multiplicity.TStat.from_seeds(ratios)
                 checks.append(_check(2, "rel. L2 from init, ES / GRPO (per seed): ES farther", "es/grpo", "rel_l2 ratio",
-                                     est, ci, +1, null=1.0, per_seed=ratios))
+                                     est, ci, +1, null=1.0, per_seed=ratios, evidence=ev, seed_spread=len(ratios) > 1))
                 checks.append(_check(2, "the same ratio: at least the paper's 40x", "es/grpo", "rel_l2 ratio", est, ci,
-                                     +1, null=40.0, paper_range_in_ci=bool(ci[0] <= 44 and ci[1] >= 40)))
+                                     +1, null=40.0, paper_range_in_ci=bool(ci[0] <= 44 and ci[1] >= 40), evidence=ev,
+                                     seed_spread=len(ratios) > 1))
             for rank in ("abs", "rel"):
                 def share(label, groups, rank=rank):
                     comp = diffs[label]["topk"][rank]["composition"]
@@ -374,7 +457,8 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
                     ci = stats.seed_interval(vals)
                     checks.append(_check(4, f"top-100 by {'|Δ|' if rank == 'abs' else '|Δ|/|θ0|'}: share in {name}, "
                                             f"{who} minus {other}", who, f"top-100 {rank} share", sum(vals) / len(vals),
-                                         ci, +1, per_seed=vals))
+                                         ci, +1, per_seed=vals, evidence=multiplicity.TStat.from_seeds(vals),
+                                         seed_spread=len(vals) > 1))
 
         # -- sparsity with controls (claim 3), first seed of ES and GRPO
         sparsify_section = {}
@@ -393,14 +477,16 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
         for meth in ("es", "grpo"):
             if meth in by_method:
                 ent[meth] = [m.entropy(str(r["dir"])) for r in by_method[meth]]
-                e = stats.paired_effect(ent[meth], [base_ent], resamples=R)
                 if meth == "grpo":
+                    e = stats.paired_effect(ent[meth], [base_ent], resamples=R, replicates=True)
                     checks.append(_check(6, "grpo vs base, token entropy", "grpo", "entropy", e["estimate"], e["ci"], -1,
-                                         per_seed=e["per_seed"]))
+                                         per_seed=e["per_seed"], evidence=multiplicity.Replicates(e["replicates"]),
+                                         seed_spread=e["seeds"] > 1))
         if "es" in ent and "grpo" in ent:
-            e = stats.paired_effect(ent["es"], ent["grpo"], trained_base=True, resamples=R)
+            e = stats.paired_effect(ent["es"], ent["grpo"], trained_base=True, resamples=R, replicates=True)
             checks.append(_check(6, "token entropy, es minus grpo", "es", "entropy", e["estimate"], e["ci"], +1,
-                                 per_seed=e["per_seed"]))
+                                 per_seed=e["per_seed"], evidence=multiplicity.Replicates(e["replicates"]),
+                                 seed_spread=e["seeds"] > 1 or e["base_seeds"] > 1))
 
         # -- population diversity (claim 7), first ES run around its final weights
         diversity_section = {}
@@ -410,13 +496,15 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
             diversity_section[r0["label"]] = div
             js, se = div["js_mi_mean"], div["js_mi_se"] or 0.0
             checks.append(_check(7, "population JS (posterior estimator) > 0", "es", "js", js,
-                                 (js - 1.96 * se, js + 1.96 * se), +1))
+                                 (js - 1.96 * se, js + 1.96 * se), +1, evidence=multiplicity.TStat(js, se, math.inf),
+                                 seed_spread=False))
             gaps = [p["coverage_population"] - p["coverage_centre"] for p in div["per_prompt"]
                     if p["coverage_centre"] is not None]
             if len(gaps) >= 2:
                 ci = stats.mean_bootstrap(gaps, resamples=R)
                 checks.append(_check(7, "Pass@N: population (one sample each) minus centre (N samples)", "es",
-                                     "coverage gap", sum(gaps) / len(gaps), ci, +1))
+                                     "coverage gap", sum(gaps) / len(gaps), ci, +1, seed_spread=False,
+                                     evidence=multiplicity.Replicates(stats.mean_replicates(gaps, resamples=R))))
 
         held_out = {}
         for name in cfg.held_out:
@@ -424,13 +512,13 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
             for label, spec in [("base", cfg.model), *((r["label"], str(r["dir"])) for r in plan)]:
                 held_out.setdefault(label, {})[name] = m.evaluation(spec, label, 0, task=ht)["pass_at_k"]
 
+        _adjust(checks)  # Holm over every check of the study: the verdicts below are the adjusted ones
         claims = [{"id": cid, "title": title, "checks": [c for c in checks if c["claim"] == cid],
                    "verdict": _claim_verdict([c for c in checks if c["claim"] == cid])}
                   for cid, title in CLAIMS.items() if any(c["claim"] == cid for c in checks)]
-        summary = {f"{meth}:{metric}@{k}": {kk: effects[(meth, metric, k)][kk] for kk in ("estimate", "method", "base", "ci")}
-                   for (meth, metric, k) in effects}
+        summary = effects_summary(effects)
         study = {"config": {**cfg.to_dict(), "budget": study_budget(cfg), "preset": _preset(cfg)},
-                 "rule": stats.rule_text(),
+                 "rule": f"{stats.rule_text(cfg.noninferiority_margin)} {SEED_SPREAD}",
                  "claims": claims, "effects": summary,
                  "runs": [{"label": r["label"], "method": r["method"], "seed": r["seed"], "dir": _shown(r["dir"], out),
                            "total": r["total"]} for r in plan],
@@ -482,21 +570,24 @@ def _sparsity(cfg: StudyConfig, m: Measures, run: dict, log: Log, R: int) -> dic
         p = {"threshold": m.state_dict_pass1(cfg.model, thr, "thr:" + tag, label=f"{what}, threshold"),
              "random": m.state_dict_pass1(cfg.model, rnd, "rnd:" + tag, label=f"{what}, random mask"),
              "shrink": m.state_dict_pass1(cfg.model, shr, "shr:" + tag, label=f"{what}, uniform shrink")}
-        ret = {k: stats.gain_ratio([v], [full_p1], [base_p1], resamples=R) for k, v in p.items()}
+        ret = {k: multiplicity.fieller_share([v], [full_p1], [base_p1]) for k, v in p.items()}
+        ret = {k: (est, ev, ev.interval(stats.LEVEL)) for k, (est, ev) in ret.items()}
         points.append({"target_sparsity": target, "tau": tau, "sparsity": st["sparsity"],
                        "kept_l2_frac": st["kept_l2_frac"], "pass_at_k": {"1": sum(p["threshold"]) / len(base_p1)},
                        "gain_retained": ret["threshold"][0],
                        "controls": {k: {"pass_at_1": sum(v) / len(v), "gain_retained": ret[k][0],
-                                        "ci": list(ret[k][1])} for k, v in p.items() if k != "threshold"},
-                       "gain_retained_ci": list(ret["threshold"][1])})
+                                        "ci": list(ret[k][2])} for k, v in p.items() if k != "threshold"},
+                       "gain_retained_ci": list(ret["threshold"][2])})  # Fieller, as the claim-3 check
         if target >= 0.9:
             meth = run["method"]
             checks.append(_check(3, f"{meth}: Pass@1 gain kept at sparsity {target:g} (share)", meth,
-                                 "gain retained", ret["threshold"][0], ret["threshold"][1], +1, null=0.5))
+                                 "gain retained", ret["threshold"][0], ret["threshold"][2], +1, null=0.5,
+                                 evidence=ret["threshold"][1], seed_spread=False))
             for ctl in ("random", "shrink"):
-                e = stats.paired_effect([p["threshold"]], [p[ctl]], resamples=R)
+                e = stats.paired_effect([p["threshold"]], [p[ctl]], resamples=R, replicates=True)
                 checks.append(_check(3, f"{meth}: threshold minus {ctl} at sparsity {target:g}, Pass@1", meth,
-                                     "pass@1", e["estimate"], e["ci"], +1))
+                                     "pass@1", e["estimate"], e["ci"], +1, seed_spread=False,
+                                     evidence=multiplicity.Replicates(e["replicates"])))
     section = {"task": m.task.spec, "backend": cfg.backend, "ks": [1],
                "base_pass_at_k": {"1": sum(base_p1) / len(base_p1)},
                "full_pass_at_k": {"1": sum(full_p1) / len(full_p1)}, "points": points}
@@ -524,18 +615,19 @@ def validate_study(cfg: StudyConfig, out: Path) -> list[dict]:
     budget of every run (`run_plan`), the model (loaded once: a missing, corrupt or incomplete checkpoint is
     refused by `load_model`) and its chat template setting, and with --backend vllm that vLLM is there.
     Returns the run plan."""
+    require(cfg.report_to)  # a missing tracker package
     plan = run_plan(cfg, out)
     make_task(next(iter(plan[0]["configs"].values())))  # every run trains on the study's one task
     for name in cfg.held_out:
         get_task(name).test()
-    _, tok = load_model(cfg.model)  # the weights are dropped again: each run loads its own copy
-    uses_chat(tok, cfg.chat_template)
-    if cfg.backend == "vllm":
+    if cfg.backend == "vllm":  # before loading the model: these read its config only
         from deltalens.generation.vllm import check_weight_loading, import_vllm
 
         import_vllm()  # a missing vLLM is said now, not after hours of training
         if {"es", "grpo"} & set(cfg.methods):  # the sparsity step loads state dicts into the base's engine
             check_weight_loading(cfg.model)
+    _, tok = load_model(cfg.model)  # the weights are dropped again: each run loads its own copy
+    uses_chat(tok, cfg.chat_template)
     return plan
 
 
