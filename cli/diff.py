@@ -175,12 +175,19 @@ def print_sparsify(doc: dict, task: str) -> None:
             t.add_row(f"{p['tau']:.3g}", f"{p['sparsity']:.3f}", _fmt(p["kept_l2_frac"], ".3f"),
                       *[_fmt(p["pass_at_k"].get(kk), ".3f") for kk in s["full_pass_at_k"]], kept)
         c.out.print(t)
-        if s.get("gain_within_noise"):
-            c.console.print(f"[yellow]warning ({c.escape(lbl)}):[/] its gain at Pass@{head} is within noise "
-                            f"(95% interval {ci[0]:+.3f}..{ci[1]:+.3f} contains 0): the gain kept is not "
-                            "measurable; raise --limit or --samples", highlight=False)
-        for w in s.get("warnings", []):
-            c.console.print(f"[yellow]warning:[/] {c.escape(w)}", highlight=False)
+        sparsify_warnings(lbl, s)
+
+
+def sparsify_warnings(lbl: str, s: dict) -> None:
+    """On stderr: a gain within noise (its 95% interval holds 0, so the share kept is not measurable), and
+    the sweep's own warnings (a τ that resets nearly every changed coordinate). `report` says the same."""
+    ci = s.get("gain_ci")
+    if s.get("gain_within_noise"):
+        c.console.print(f"[yellow]warning ({c.escape(lbl)}):[/] its gain at Pass@{s['ks'][0]} is within noise "
+                        f"(95% interval {ci[0]:+.3f}..{ci[1]:+.3f} contains 0): the gain kept is not "
+                        "measurable; raise --limit or --samples", highlight=False)
+    for w in s.get("warnings", []):
+        c.console.print(f"[yellow]warning:[/] {c.escape(w)}", highlight=False)
 
 
 def sparsify_cmd(

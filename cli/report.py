@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from . import common as c
+from .diff import sparsify_warnings
 
 
 def render(
@@ -88,13 +89,7 @@ def report(
                              log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"), progress_factory=factory,
                              chat_template=chat_template)
     for lbl, s in doc.get("sparsify", {}).items():
-        ci = s.get("gain_ci")
-        if s.get("gain_within_noise"):
-            c.console.print(f"[yellow]warning ({c.escape(lbl)}):[/] its gain at Pass@{s['ks'][0]} is within noise "
-                            f"(95% interval {ci[0]:+.3f}..{ci[1]:+.3f} contains 0): the gain it keeps when "
-                            "sparsified is not measurable", highlight=False)
-        for w in s.get("warnings", []):
-            c.console.print(f"[yellow]warning:[/] {c.escape(w)}", highlight=False)
+        sparsify_warnings(lbl, s)
     write_json_atomic(doc, paths["analysis"])
     render_report(doc, paths["html"])
     c.console.print(f"wrote {paths['html']} (analysis: {paths['analysis']})", markup=False)

