@@ -53,7 +53,7 @@ Samples = Annotated[int, typer.Option("--samples", "-n", help="samples per probl
 Ks = Annotated[str, typer.Option("--k", help="comma-separated K values for Pass@K / Maj@K")]
 Temperature = Annotated[float, typer.Option("--temperature", help="sampling temperature (0 = greedy)")]
 Limit = Annotated[int | None, typer.Option("--limit", help="evaluate only the first N test problems")]
-Seed = Annotated[int, typer.Option("--seed", help="random seed")]
+Seed = Annotated[int, typer.Option("--seed", min=0, help="random seed (>= 0)")]
 Config = Annotated[str | None, typer.Option("--config", help="architecture for bare .pt/.safetensors weights")]
 Arch = Annotated[str | None, typer.Option("--arch", "--config", help="architecture (tiny, smollm2, an HF/run directory, a config.json) for every bare .pt/.safetensors input of the command, the base included; default: the config.json beside each file (--config: the old name)")]
 Dtype = Annotated[str, typer.Option("--dtype", help="model dtype: fp32, bf16, fp16")]

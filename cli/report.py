@@ -55,7 +55,7 @@ def report(
     diversity: Annotated[bool, typer.Option("--diversity", help="population JS and coverage (ES runs)")] = False,
     held_out: Annotated[str | None, typer.Option("--held-out", help="held-out tasks, e.g. arith-long,arith-big")] = None,
     arch: c.Arch = None,
-    seed: Annotated[int, typer.Option("--seed", help="evaluation seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="evaluation seed (>= 0)")] = 0,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="recompute everything")] = False,
     chat_template: c.ChatTemplate = "auto",
 ) -> None:

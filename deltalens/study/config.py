@@ -59,6 +59,7 @@ class StudyConfig(Config):
              f"--methods must be among {', '.join(METHODS)} (got {','.join(self.methods)})"),
             (len(set(self.methods)) == len(self.methods), "--methods lists a method twice"),
             (bool(self.seeds) and len(set(self.seeds)) == len(self.seeds), "--seeds must be distinct integers"),
+            (all(x >= 0 for x in self.seeds), f"--seeds must be >= 0 (got {','.join(map(str, self.seeds))})"),
             (self.base_seeds >= 1, f"--base-seeds must be >= 1 (got {self.base_seeds})"),
             (self.limit is None or self.limit >= 2, f"--limit must be >= 2 (got {self.limit})"),
             (self.samples >= 1 and max(self.ks) <= self.samples and min(self.ks) >= 1,

@@ -380,3 +380,12 @@ def test_resume_cleans_temporaries_of_a_killed_writer(es_run, tmp_path):
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["final"]
     assert not list(run.glob(".*.tmp-*"))
+
+
+def test_negative_seeds_are_refused_in_one_line(tmp_path):
+    """A negative seed reached numpy's seeding (a ValueError traceback) in eval and training (issue #36 review)."""
+    refused(["eval", "tiny", "--seed", "-1", "--limit", "2", "-n", "2", "--k", "1"], match="--seed")
+    refused(["train", "es", "--model", "tiny", "--seed", "-1", "--out", tmp_path / "r"], match="seed must be >= 0")
+    refused(["train", "grpo", "--model", "tiny", "--seed", "-1", "--out", tmp_path / "r"], match="seed must be >= 0")
+    refused(["study", "tiny", "--seeds", "0,-1", "--out", tmp_path / "s"], match="--seeds must be >= 0")
+    assert not (tmp_path / "r").exists() and not (tmp_path / "s").exists()

@@ -109,6 +109,7 @@ class ESConfig(Config):
         self.params = tuple(self.params)
         self.report_to = normalize_report_to(self.report_to)
         check([
+            (self.seed >= 0, f"seed must be >= 0 (got {self.seed}); set --seed"),
             (self.population >= 2, f"population must be >= 2 (got {self.population}); set --population"),
             (not self.antithetic or self.population % 2 == 0,
              (f"antithetic pairs need an even population (got {self.population}); set --population to an "

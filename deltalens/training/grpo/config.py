@@ -112,6 +112,7 @@ class GRPOConfig(Config):
             isinstance(self.prompts_per_step, int) and isinstance(self.num_generations, int)) else 0
         mu = self.num_iterations
         check([
+            (self.seed >= 0, f"seed must be >= 0 (got {self.seed}); set --seed"),
             (self.num_generations >= 2, (f"num_generations must be >= 2: GRPO normalises rewards within a group "
                                         f"(got {self.num_generations}); set --num-generations")),
             (self.prompts_per_step >= 1, f"prompts_per_step must be >= 1 (got {self.prompts_per_step}); set --prompts"),
