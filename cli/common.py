@@ -38,6 +38,7 @@ from rich.progress import (
 )
 
 from deltalens.errors import DeltalensError
+from deltalens.timefmt import duration
 
 console = Console(stderr=True)  # logs, progress, errors
 out = Console(markup=False)  # results (tables) on stdout, so `> file` and pipes get them and logs stay apart;
@@ -110,14 +111,6 @@ def progress_every() -> float:
     return every
 
 
-def _duration(s: float) -> str:
-    if s < 120:
-        return f"{s:.0f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    return f"{s / 3600:.1f} h"
-
-
 class PlainProgress(Progress):
     """rich's Progress without its live display: tasks are tracked as usual (same API, so every caller
     works unchanged) and reported as plain lines on stderr (module docstring). A daemon thread prints the
@@ -142,11 +135,11 @@ class PlainProgress(Progress):
             text = f"{t.description}: {done}/{int(total)}{unit} ({100 * done / total:.0f}%), "
         else:
             text = f"{t.description}: {done}{unit}, "
-        text += f"{_duration(elapsed)} elapsed"
+        text += f"{duration(elapsed)} elapsed"
         if total and done >= total:
             text += ", done"
         elif total and done > self._base.get(task_id, 0):  # linear in the work left, at this run's pace
-            text += f", ~{_duration(elapsed * (total - done) / (done - self._base.get(task_id, 0)))} left"
+            text += f", ~{duration(elapsed * (total - done) / (done - self._base.get(task_id, 0)))} left"
         return text
 
     def _print(self, task_id) -> None:

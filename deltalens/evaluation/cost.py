@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from deltalens.io.cache import cache_dir
+from deltalens.timefmt import duration
 
 RATES_FILE = "rates.json"
 # the config fields that set what one forward pass costs
@@ -157,14 +158,6 @@ def record_rate(*, model, backend: str, max_new_tokens: int, sequences: int, sec
         return
 
 
-def _duration(s: float) -> str:
-    if s < 120:
-        return f"{s:.0f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    return f"{s / 3600:.1f} h"
-
-
 def _label(model) -> str:
     from deltalens.io.spec import default_label
 
@@ -192,4 +185,4 @@ def plan_line(*, what: str, models: int, problems: int, samples: int, max_new_to
                          config=config)
     if rate is None:
         return text + f"; no rate measured yet on this machine for {where}: the progress line gives an ETA"
-    return text + f"; ~{_duration(generations / rate)} at {rate:.3g} seq/s measured here on {where}"
+    return text + f"; ~{duration(generations / rate)} at {rate:.3g} seq/s measured here on {where}"
