@@ -42,7 +42,6 @@ from deltalens.analysis.report import Cache, training_section, weights_hash
 from deltalens.errors import DeltalensError
 from deltalens.evaluation import evaluate, evaluate_state_dict
 from deltalens.evaluation.passk import pass_at_k
-from deltalens.generation.prompts import uses_chat
 from deltalens.io.atomic import atomic_path, pin_json, write_json_atomic
 from deltalens.io.models import load_model
 from deltalens.io.outputs import Output, check_outputs
@@ -56,7 +55,7 @@ from deltalens.training.es.config import ESConfig
 from deltalens.training.es.train import train_es
 from deltalens.training.grpo.config import GRPOConfig
 from deltalens.training.grpo.train import train_grpo
-from deltalens.training.launch import train_unless_finished
+from deltalens.training.launch import check_start, train_unless_finished
 from deltalens.training.run import make_task
 from deltalens.training.tracking import require
 
@@ -626,8 +625,7 @@ def validate_study(cfg: StudyConfig, out: Path) -> list[dict]:
         import_vllm()  # a missing vLLM is said now, not after hours of training
         if {"es", "grpo"} & set(cfg.methods):  # the sparsity step loads state dicts into the base's engine
             check_weight_loading(cfg.model)
-    _, tok = load_model(cfg.model)  # the weights are dropped again: each run loads its own copy
-    uses_chat(tok, cfg.chat_template)
+    check_start(cfg.model, [cfg.chat_template])  # each run then loads its own copy
     return plan
 
 

@@ -38,7 +38,6 @@ from deltalens.errors import DeltalensError
 from deltalens.evaluation import evaluate
 from deltalens.evaluation.options import check_eval_options
 from deltalens.evaluation.passk import pass_at_k
-from deltalens.generation.prompts import uses_chat
 from deltalens.io.atomic import atomic_path, pin_json, write_json_atomic
 from deltalens.io.models import load_model
 from deltalens.io.outputs import Output, check_outputs
@@ -48,7 +47,7 @@ from deltalens.tasks import get_task
 from deltalens.training.es.train import train_es
 from deltalens.training.grpo.train import train_grpo
 from deltalens.training.launch import CONFIGS as TRAIN_CONFIGS
-from deltalens.training.launch import train_unless_finished
+from deltalens.training.launch import check_start, train_unless_finished
 from deltalens.training.tracking import require
 
 CONFIGS: dict[str, type[Config]] = {m: TRAIN_CONFIGS[m] for m in ("es", "grpo")}  # a sweep trains single runs
@@ -191,9 +190,7 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
         raise DeltalensError("--val-limit must leave at least 2 validation problems (intervals need them)")
     # a missing, corrupt or incomplete model and `--chat-template on` without a template are refused before
     # DIR/sweep-settings.json pins the settings: else the corrected retry would be "a sweep with other settings"
-    _, tok = load_model(model)
-    uses_chat(tok, first.chat_template)
-    del _, tok
+    check_start(model, [first.chat_template])
     out.mkdir(parents=True, exist_ok=True)
     pinned = {k: str(v) for k, v in fixed.items() if k != "report_to"}  # tracking changes no point's meaning
     diff = pin_json({"method": method, "model": model, "preset": preset, "fixed": pinned,

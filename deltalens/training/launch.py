@@ -123,16 +123,22 @@ def start(method: str, *, out: str | Path | None = None, resume: str | Path | No
     return trainer(config, out, resume=False, progress=progress, overwrite=overwrite)
 
 
-def _check_chain_start(config: ChainConfig, preset: str) -> None:
-    """What a chain's first stage would refuse only after the chain's directory exists (a missing, corrupt or
-    incomplete model, `--chat-template on` without a template), refused before it: a refused command leaves
-    no run directory that blocks its retry. Costs one extra load of the base model."""
+def check_start(model: str, chat_templates) -> None:
+    """Refuse now what training would refuse only once its directory exists: a missing, corrupt or
+    incomplete model (`load_model`), and a chat-template setting the tokenizer cannot honour (`uses_chat`),
+    so a refused chain, sweep or study leaves nothing that blocks its retry. Costs one extra load of the
+    model, whose weights are dropped again."""
     from deltalens.generation.prompts import uses_chat
     from deltalens.io.models import load_model
 
-    _, tok = load_model(config.model)
-    for stage in config.stage_presets(preset).values():
-        uses_chat(tok, stage.chat_template)
+    _, tok = load_model(model)
+    for mode in chat_templates:
+        uses_chat(tok, mode)
+
+
+def _check_chain_start(config: ChainConfig, preset: str) -> None:
+    """`check_start` for a chain: its base model and every stage's chat-template setting."""
+    check_start(config.model, [stage.chat_template for stage in config.stage_presets(preset).values()])
 
 
 def train_unless_finished(run_dir: str | Path, total: int, label: str, train: Callable[..., object], *,
