@@ -3,7 +3,8 @@
     deltalens sweep es --model tiny --grid sigma=3e-3,6e-3 --grid alpha=1.5e-3,3e-3 --iterations 20 --out DIR
     deltalens sweep grpo --model tiny --grid learning_rate=2e-5,5e-5,1e-4 --steps 200 --seeds 0,1 --out DIR
 
-The fixed training options are generated from the config dataclasses, as in `deltalens train`."""
+One subcommand per registered method (`deltalens.training.methods`); the fixed training options are
+generated from its config dataclass, as in `deltalens train`."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from deltalens.training.es.config import ESConfig
-from deltalens.training.grpo.config import GRPOConfig
+from deltalens.training import methods
 
 from . import common as c
 from . import options as o
@@ -92,11 +92,9 @@ def _make(method: str, cls):
     return body
 
 
-app.command("es")(c.guard(o.command(
-    "es", "Sweep ES settings: train every grid point, score on validation problems.",
-    _params() + o.config_params(ESConfig, exclude=("seed",), panel="ES options (fixed for every point)"),
-    _make("es", ESConfig))))
-app.command("grpo")(c.guard(o.command(
-    "grpo", "Sweep GRPO settings: train every grid point, score on validation problems.",
-    _params() + o.config_params(GRPOConfig, exclude=("seed",), panel="GRPO options (fixed for every point)"),
-    _make("grpo", GRPOConfig))))
+for _m in methods.registered():  # es, grpo
+    _name = _m.config.NAME
+    app.command(_m.name)(c.guard(o.command(
+        _m.name, f"Sweep {_name} settings: train every grid point, score on validation problems.",
+        _params() + o.config_params(_m.config, exclude=("seed",), panel=f"{_name} options (fixed for every point)"),
+        _make(_m.name, _m.config))))

@@ -7,9 +7,10 @@
     deltalens train es --config runs/es/config.json --out runs/y  # a run's config.json: the same run again
     deltalens train resume runs/es [--iterations 60]            # continue a killed (or finished) run
 
-Every option of `es`, `grpo` and the stage options of `chain` (`--es-*`, `--grpo-*`) is generated from
-the config dataclasses (`deltalens.training.es.ESConfig`, `...grpo.GRPOConfig`,
-`...chain.ChainConfig`), help text included. An option a method does not have is refused by the
+One subcommand per registered method (`deltalens.training.methods`: es, grpo), then `chain` and `resume`.
+Every option of a method and the stage options of `chain` (`--es-*`, `--grpo-*`) is generated from the
+config dataclasses (`deltalens.training.es.ESConfig`, `...grpo.GRPOConfig`, `...chain.ChainConfig`), help
+text included. An option a method does not have is refused by the
 parser; one it has but does not use in this configuration (e.g. `--workers` without `--backend ray`),
 an unknown YAML key or a value of the wrong type is refused with one line, before anything is written.
 
@@ -27,9 +28,9 @@ from typing import Annotated
 
 import typer
 
-from deltalens.training.chain import ChainConfig
-from deltalens.training.es.config import ESConfig
-from deltalens.training.grpo.config import GRPOConfig
+from deltalens.methods import chain_stages, stage_names
+from deltalens.training import methods
+from deltalens.training.chain import CHAIN_OWNED, ChainConfig
 
 from . import common as c
 from . import options as o
@@ -85,37 +86,38 @@ def _run(method: str, kwargs: dict, given: dict) -> None:
     summary(Path(run_dir))
 
 
-def _es(kwargs: dict) -> None:
-    _run("es", kwargs, o.given(kwargs, ESConfig))
+def _single(method: methods.Method):
+    def body(kwargs: dict) -> None:
+        _run(method.name, kwargs, o.given(kwargs, method.config))
 
-
-def _grpo(kwargs: dict) -> None:
-    _run("grpo", kwargs, o.given(kwargs, GRPOConfig))
+    return body
 
 
 def _chain(kwargs: dict) -> None:
     given = o.given(kwargs, ChainConfig)
-    for method, cls in (("es", ESConfig), ("grpo", GRPOConfig)):
-        stage = o.given(kwargs, cls, prefix=f"{method}_")
+    for method in stage_names():
+        stage = o.given(kwargs, methods.get(method).config, prefix=f"{method}_")
         if stage:
             given[method] = stage
     _run("chain", kwargs, given)
 
 
-_CHAIN_EXCLUDE = ("model", "task", "data", "question_field", "answer_field", "init_from", "budget", "report_to")
+def _stage_params() -> list[inspect.Parameter]:
+    """--es-sigma, --grpo-learning-rate, ...: every chain stage's options less those the chain sets itself."""
+    out = []
+    for m in stage_names():
+        cls = methods.get(m).config
+        out += o.config_params(cls, prefix=f"{m}_", exclude=CHAIN_OWNED, panel=f"{cls.NAME} stage options")
+    return out
 
-app.command("es")(c.guard(o.command(
-    "es", "Evolution Strategies (Qiu et al. 2025): seeded in-place population search; exact resume.",
-    _run_params() + o.config_params(ESConfig, panel="ES options"), _es)))
-app.command("grpo")(c.guard(o.command(
-    "grpo", "GRPO through TRL's GRPOTrainer, with the paper's settings set explicitly; exact resume.",
-    _run_params() + o.config_params(GRPOConfig, panel="GRPO options"), _grpo)))
+
+for _m in methods.registered():  # es, grpo: one subcommand per registered method
+    app.command(_m.name)(c.guard(o.command(
+        _m.name, _m.summary, _run_params() + o.config_params(_m.config, panel=f"{_m.config.NAME} options"),
+        _single(_m))))
 app.command("chain")(c.guard(o.command(
     "chain", "ES then GRPO (or GRPO then ES) as one run directory; --budget is split between the stages.",
-    _run_params() + o.config_params(ChainConfig, panel="Chain options")
-    + o.config_params(ESConfig, prefix="es_", exclude=_CHAIN_EXCLUDE, panel="ES stage options")
-    + o.config_params(GRPOConfig, prefix="grpo_", exclude=_CHAIN_EXCLUDE, panel="GRPO stage options"),
-    _chain)))
+    _run_params() + o.config_params(ChainConfig, panel="Chain options") + _stage_params(), _chain)))
 
 
 @app.command("resume")
@@ -176,5 +178,5 @@ def rewrite_alias(args: list[str]) -> list[str]:
             j = rest.index("--resume")
             return ["resume", *rest[j + 1:j + 2]]
         method = "es"  # the old default
-    chains = {"es-grpo": ["chain", "--methods", "es,grpo"], "grpo-es": ["chain", "--methods", "grpo,es"]}
-    return [*chains.get(method, [method]), *rest]
+    stages = chain_stages(method)  # es-grpo -> chain --methods es,grpo
+    return [*(["chain", "--methods", ",".join(stages)] if stages else [method]), *rest]

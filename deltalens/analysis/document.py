@@ -6,21 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from deltalens.io.runs import RunDir
+from deltalens.methods import is_run_method
 from deltalens.schema import new_document
-
-METHODS = ("es", "grpo", "es-grpo", "grpo-es")
 
 
 def model_entry(label: str, path, shown: str | None = None) -> dict:
     """The schema's models[] entry: kind "run" for a deltalens run directory (metrics.jsonl), with
-    its method from the run's config when it names one, else "checkpoint". `shown`: the path written
-    into the document when it differs from the one read (a study's runs, relative to the study)."""
+    its method from the run's config when it names one (`deltalens.methods`), else "checkpoint". `shown`:
+    the path written into the document when it differs from the one read (a study's runs, relative to
+    the study)."""
     p = Path(str(path))
     kind, method = "checkpoint", None
     if p.is_dir() and (p / "metrics.jsonl").exists():
         kind = "run"
         m = RunDir(p).method()
-        method = m if m in METHODS else None
+        method = m if is_run_method(m) else None
     return {"label": label, "path": str(path) if shown is None else shown, "kind": kind, "method": method}
 
 

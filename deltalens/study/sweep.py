@@ -33,7 +33,7 @@ from pathlib import Path
 
 from deltalens.analysis import stats
 from deltalens.analysis.report import Cache, weights_hash
-from deltalens.config import Config, brief, coerce, flag_name
+from deltalens.config import brief, coerce, flag_name
 from deltalens.errors import DeltalensError
 from deltalens.evaluation import evaluate
 from deltalens.evaluation.options import check_eval_options
@@ -44,13 +44,10 @@ from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
 from deltalens.presets import auto_preset, default_task
 from deltalens.tasks import get_task
-from deltalens.training.es.train import train_es
-from deltalens.training.grpo.train import train_grpo
-from deltalens.training.launch import CONFIGS as TRAIN_CONFIGS
+from deltalens.training import methods
 from deltalens.training.launch import check_start, train_unless_finished
 from deltalens.training.tracking import require
 
-CONFIGS: dict[str, type[Config]] = {m: TRAIN_CONFIGS[m] for m in ("es", "grpo")}  # a sweep trains single runs
 NOT_SWEPT = ("model", "task", "data", "question_field", "answer_field", "seed", "init_from", "report_to")
 Log = Callable[[str], None]
 
@@ -75,7 +72,7 @@ class Evaluation:
 
 def parse_grid(method: str, specs: list[str]) -> dict[str, list]:
     """['sigma=3e-3,6e-3', 'alpha=1e-3'] -> {'sigma': [0.003, 0.006], 'alpha': [0.001]}, typed by the config."""
-    cls = CONFIGS[method]
+    cls = _method(method).config
     types = cls.types()
     alias = {x[2:].replace("-", "_"): f.name for f in cls.fields()
              for x in f.metadata.get("flags", ()) if x.startswith("--")}  # lr -> learning_rate, prompts -> ...
@@ -135,7 +132,7 @@ def point_name(point: dict) -> str:
 def plan(method: str, grid: dict[str, list], fixed: dict, *, preset: str | None, ev: Evaluation,
          out: Path) -> list[dict]:
     """Every (point, seed) run with its resolved config; any bad value is refused here, before training."""
-    cls = CONFIGS[method]
+    m = _method(method)
     clash = sorted(set(grid) & set(fixed))
     if clash:
         raise DeltalensError(f"{', '.join(flag_name(k) for k in clash)} given both as a fixed option and in --grid")
@@ -149,11 +146,19 @@ def plan(method: str, grid: dict[str, list], fixed: dict, *, preset: str | None,
             raise DeltalensError(f"--grid points {brief(named[name])} and {brief(point)} would share the run "
                                  f"directory {name}; change one of their values")
         for seed in ev.seeds:
-            cfg = cls.resolve(preset=preset, given={**fixed, **point, "seed": seed}, source="--grid")
-            total = cfg.iterations if method == "es" else cfg.steps
+            cfg = m.config.resolve(preset=preset, given={**fixed, **point, "seed": seed}, source="--grid")
+            total = m.total(cfg)
             runs.append({"point": point, "name": name, "seed": seed, "config": cfg, "total": total,
                          "dir": _run_dir(out, f"{name}-s{seed}")})
     return runs
+
+
+def _method(name: str) -> methods.Method:
+    """The method a sweep trains: a single one (deltalens.training.methods), never a chain."""
+    m = methods.find(name)
+    if m is None:
+        raise DeltalensError(f"sweep trains one of {', '.join(methods.REGISTRY)} (got {brief(name)})")
+    return m
 
 
 def _run_dir(out: Path, name: str) -> Path:
@@ -171,13 +176,12 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
     """Train every grid point (per seed), score all on validation, write DIR/sweep.json and DIR/sweep.md."""
     from deltalens.reports.markdown import sweep_markdown
 
-    if method not in CONFIGS:
-        raise DeltalensError(f"sweep trains es or grpo (got {method!r})")
+    trainer = _method(method).train
     ev = ev or Evaluation()
     ev.check()
     out = Path(out)
     fixed = dict(fixed)
-    model = fixed.get("model") or CONFIGS[method].field("model").default
+    model = fixed.get("model") or _method(method).config.field("model").default
     fixed.setdefault("task", default_task(model))
     preset = auto_preset(model) if preset in (None, "auto") else preset
     runs = plan(method, grid, fixed, preset=preset, ev=ev, out=out)
@@ -200,7 +204,6 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
     t0 = time.time()
 
     # -- training
-    trainer = train_es if method == "es" else train_grpo
     for i, r in enumerate(runs, 1):
         train_unless_finished(r["dir"], r["total"], f"[{i}/{len(runs)}] {r['name']} seed {r['seed']}",
                               functools.partial(trainer, r["config"], r["dir"]), log=log,

@@ -1,2 +1,3 @@
-"""Training: ES (`es/`), GRPO through TRL (`grpo/`), chains of both (`chain`), FLOP-matched budgets
-(`budget`), the run plumbing they share (`run`) and the entry points the CLI calls (`launch`)."""
+"""Training: ES (`es/`), GRPO through TRL (`grpo/`), the registry of methods (`methods`: name -> config,
+trainer, budget unit), chains of them (`chain`), FLOP-matched budgets (`budget`), the run plumbing they
+share (`run`) and the entry points the CLI calls (`launch`)."""

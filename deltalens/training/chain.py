@@ -20,7 +20,8 @@ the chain's options, and per method the options of its stages less those the cha
 the iterations/steps when the chain has a budget (derived from it, and derived again the same way).
 
 Each stage after the first starts from the previous stage's final checkpoint: GRPO through `init_from`,
-ES through its `model`. With `budget`, the stages split it (equal shares by default, `fractions`) and
+ES through its `model` (`Method.start_from`; each stage's config class, trainer and budget unit come from
+`deltalens.training.methods`). With `budget`, the stages split it (equal shares by default, `fractions`) and
 each gets the most iterations/steps that fit its share. A killed chain resumes stage by stage:
 finished stages are skipped, the interrupted one resumes from its last checkpoint.
 
@@ -47,23 +48,14 @@ from deltalens.errors import DeltalensError
 from deltalens.io.atomic import atomic_dir, atomic_path, write_json_atomic
 from deltalens.io.runs import RunDir
 from deltalens.io.spec import resolve
+from deltalens.methods import chain_name, stage_names
 from deltalens.presets import auto_preset
 from deltalens.tasks import get_task
-from deltalens.training.budget import (
-    es_units,
-    grpo_units,
-    iterations_for_budget,
-    parse_budget,
-    split_budget,
-    steps_for_budget,
-)
-from deltalens.training.es.config import ESConfig
-from deltalens.training.grpo.config import GRPOConfig
+from deltalens.training.budget import parse_budget, split_budget
+from deltalens.training.methods import get as get_method
 from deltalens.training.tracking import HELP as REPORT_TO_HELP
 from deltalens.training.tracking import normalize_report_to, require
 
-METHODS = ("es", "grpo")
-STAGE_CONFIGS = {"es": ESConfig, "grpo": GRPOConfig}
 TASK_FIELDS = ("data", "question_field", "answer_field")
 # stage fields the chain sets itself: never per stage
 CHAIN_OWNED = ("model", "task", *TASK_FIELDS, "init_from", "budget", "report_to")
@@ -97,15 +89,16 @@ class ChainConfig(Config):
         self.methods = tuple(self.methods)
         check([
             (len(self.methods) >= 1, "a chain needs at least one method; set --methods es,grpo"),
-            (all(m in METHODS for m in self.methods),
-             f"unknown method in --methods {','.join(self.methods)}; use es and grpo"),
+            (all(m in stage_names() for m in self.methods),
+             f"unknown method in --methods {','.join(self.methods)}; use {' and '.join(stage_names())}"),
             (self.fractions is None or len(self.fractions) == len(self.methods),
              f"got {len(self.fractions or ())} budget fractions for {len(self.methods)} stages"),
         ])
         if self.budget is not None:
             self.budget = parse_budget(self.budget)
         self.report_to = normalize_report_to(self.report_to)
-        for method, cls in STAGE_CONFIGS.items():
+        for method in stage_names():
+            cls = get_method(method).config
             opts = getattr(self, method)
             if not isinstance(opts, dict):
                 raise DeltalensError(f"{method} stage options must be a mapping of option names to values")
@@ -125,10 +118,10 @@ class ChainConfig(Config):
     def resolve(cls, *, preset=None, yaml=None, given=None, stored=None, source="the config file") -> ChainConfig:
         """As Config.resolve, with the stage option mappings merged key by key (command line wins)."""
         yaml, given = dict(yaml or {}), dict(given or {})
-        for m in METHODS:  # before merging: `{**[1]}` would be a TypeError
+        for m in stage_names():  # before merging: `{**[1]}` would be a TypeError
             if not isinstance(yaml.get(m) or {}, dict):
                 raise DeltalensError(f"{source}: {m} must be a mapping of {m} options")
-        stages = {m: {**(yaml.pop(m, None) or {}), **(given.pop(m, None) or {})} for m in METHODS}
+        stages = {m: {**(yaml.pop(m, None) or {}), **(given.pop(m, None) or {})} for m in stage_names()}
         cfg = super().resolve(preset=None, yaml=yaml, given=given, stored=stored, source=source)
         return dataclasses.replace(cfg, **stages)
 
@@ -145,9 +138,10 @@ class ChainConfig(Config):
                                                    for st in stages):
             raise DeltalensError(f"{source}: stages must be a list of {{method, dir, config}} mappings (as a "
                                  "chain run writes them)")
-        if set(d) & set(METHODS):
+        stage_keys = sorted(set(d) & set(stage_names()))
+        if stage_keys:
             raise DeltalensError(f"{source}: a chain run's config.json holds its stage options in `stages`, not in "
-                                 f"{' or '.join(sorted(set(d) & set(METHODS)))}")
+                                 f"{' or '.join(stage_keys)}")
         top = {k: v for k, v in d.items() if k not in ("method", "deltalens_version", "stages")}
         names = {f.name for f in dataclasses.fields(cls)}
         for key in CHAIN_OWNED:  # a chain option recorded only in its stages (the first stage's value)
@@ -155,18 +149,19 @@ class ChainConfig(Config):
                 top[key] = stages[0]["config"][key]
         out = super().run_options(top, source)
         methods = list(out.get("methods", cls.field("methods").default))
-        method = d.get("method", "-".join(methods))
-        if [st.get("method") for st in stages] != methods or method != "-".join(methods):
+        method = d.get("method", chain_name(methods))
+        if [st.get("method") for st in stages] != methods or method != chain_name(methods):
             raise DeltalensError(f"{source}: its method, methods and stages disagree; restore it from the run")
         count_derived = budget_given or out.get("budget") is not None
-        for m in METHODS:
+        for m in stage_names():
+            cls_m = get_method(m).config
             seen = []
             for st in stages:
                 if st["method"] != m:
                     continue
                 where = f"{source}, stage {brief(st.get('dir'), 40)}"
-                opts = STAGE_CONFIGS[m].run_options(st["config"], where)
-                drop = set(CHAIN_OWNED) | ({STAGE_CONFIGS[m].COUNT} if count_derived else set())
+                opts = cls_m.run_options(st["config"], where)
+                drop = set(CHAIN_OWNED) | ({cls_m.COUNT} if count_derived else set())
                 seen.append({k: v for k, v in opts.items() if k not in drop})
             if any(x != seen[0] for x in seen[1:]):
                 raise DeltalensError(f"{source}: its {m} stages hold different options; a chain gives every {m} "
@@ -178,8 +173,8 @@ class ChainConfig(Config):
     def stage_presets(self, preset: str) -> dict:
         """method -> the stage's config: the preset plus the stage options (the chain then points it at
         its model, task and previous stage, and sets its count from the budget: `stage_configs`)."""
-        return {m: STAGE_CONFIGS[m].resolve(preset=preset, given={**getattr(self, m), "report_to": self.report_to})
-                for m in METHODS
+        return {m: get_method(m).config.resolve(preset=preset, given={**getattr(self, m), "report_to": self.report_to})
+                for m in stage_names()
                 if m in self.methods}
 
 
@@ -190,18 +185,8 @@ def stage_dirs(methods: Sequence[str]) -> list[str]:
     return [f"{i + 1}-{m}" for i, m in enumerate(methods)]
 
 
-def _total(method: str, cfg) -> int:
-    return cfg.iterations if method == "es" else cfg.steps
-
-
-def _units(method: str, cfg, it: int) -> int:
-    if method == "es":
-        return es_units(it, cfg.prompts_per_iteration, cfg.population)
-    return grpo_units(it, cfg.prompts_per_step, cfg.num_generations)
-
-
 def _default_config(method: str, model: str):
-    return STAGE_CONFIGS[method].preset(auto_preset(model))
+    return get_method(method).config.preset(auto_preset(model))
 
 
 def stage_configs(out: Path, methods: Sequence[str], model: str, task: str, configs: dict, task_fields: dict,
@@ -214,35 +199,31 @@ def stage_configs(out: Path, methods: Sequence[str], model: str, task: str, conf
     dirs = stage_dirs(methods)
     out_cfgs = []
     for i, method in enumerate(methods):
-        if method not in METHODS:
-            raise DeltalensError(f"unknown method {method!r} in the chain; use {' and '.join(METHODS)}")
+        if method not in stage_names():
+            raise DeltalensError(f"unknown method {method!r} in the chain; use {' and '.join(stage_names())}")
+        m = get_method(method)
         cfg = configs.get(method) or _default_config(method, model)
-        prev = str((out / dirs[i - 1]).resolve()) if i > 0 else None
-        if method == "es":
-            cfg = dataclasses.replace(cfg, model=prev or model, task=task, budget=None, **task_fields)
-            if shares:
-                cfg = dataclasses.replace(cfg, iterations=iterations_for_budget(
-                    shares[i], cfg.prompts_per_iteration, cfg.population))
-        else:
-            cfg = dataclasses.replace(cfg, model=model, init_from=prev or cfg.init_from, task=task, budget=None,
-                                      **task_fields)
-            if shares:
-                cfg = dataclasses.replace(cfg, steps=steps_for_budget(shares[i], cfg.prompts_per_step,
-                                                                       cfg.num_generations))
+        point = {"model": model, "task": task, "budget": None, **task_fields}
+        if i > 0:  # ES starts from the previous stage's weights as its model, GRPO through init_from
+            point[m.start_from] = str((out / dirs[i - 1]).resolve())
+        cfg = dataclasses.replace(cfg, **point)
+        if shares:
+            cfg = dataclasses.replace(cfg, **{m.count: m.count_for_budget(cfg, shares[i])})
         out_cfgs.append(cfg)
     return out_cfgs
 
 
-def _rebuild_metrics(out: Path, methods, dirs, cfgs) -> None:
+def _rebuild_metrics(out: Path, stages, dirs, cfgs) -> None:
     """Concatenate the stages' metrics into out/metrics.jsonl (rewritten atomically; idempotent)."""
     lines, it_offset, unit_offset = [], 0, 0
-    for i, (method, d, cfg) in enumerate(zip(methods, dirs, cfgs)):
+    for i, (method, d, cfg) in enumerate(zip(stages, dirs, cfgs)):
+        m = get_method(method)
         for r in RunDir(out / d).metrics():
             it = r.get("iteration", 0)
             lines.append(json.dumps({**r, "stage": method, "stage_index": i, "stage_iteration": it,
-                                     "iteration": it_offset + it, "units": unit_offset + _units(method, cfg, it)}))
-        it_offset += _total(method, cfg)
-        unit_offset += _units(method, cfg, _total(method, cfg))
+                                     "iteration": it_offset + it, "units": unit_offset + m.units(cfg, it)}))
+        it_offset += m.total(cfg)
+        unit_offset += m.units(cfg, m.total(cfg))
     with atomic_path(out / "metrics.jsonl") as tmp:
         Path(tmp).write_text("".join(line + "\n" for line in lines))
 
@@ -255,7 +236,7 @@ def _link_or_copy(src, dst):
 
 
 def _stage_config(d: dict):
-    return STAGE_CONFIGS[d["method"]].from_dict(d["config"], source=f"stage {d['dir']} of the chain's config.json")
+    return get_method(d["method"]).config.from_dict(d["config"], source=f"stage {d['dir']} of the chain's config.json")
 
 
 def train_chain(out: str | Path, methods: Sequence[str] = ("es", "grpo"), *, model: str = "tiny",
@@ -296,9 +277,6 @@ def train_chain(out: str | Path, methods: Sequence[str] = ("es", "grpo"), *, mod
 def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question_field, answer_field, budget,
                  fractions, es_config, grpo_config, resume, overwrite, progress, cfgs) -> Path:
     """train_chain under the chain's writer lock; `cfgs`: a new chain's stage configs (None on resume)."""
-    from deltalens.training.es.train import train_es  # the trainers load torch: only when a chain runs
-    from deltalens.training.grpo.train import train_grpo
-
     out = run.path
     dirs = stage_dirs(methods)
     task_fields = {"data": data, "question_field": question_field, "answer_field": answer_field}
@@ -313,7 +291,7 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
             cfgs = stage_configs(out, methods, stored["model"], stored["task"],
                                  {"es": es_config, "grpo": grpo_config}, task_fields, stored.get("budget"),
                                  stored.get("fractions"))
-    top = {"method": "-".join(methods), "methods": methods, "model": model, "task": task, **task_fields,
+    top = {"method": chain_name(methods), "methods": methods, "model": model, "task": task, **task_fields,
            "budget": budget, **({"fractions": list(fractions) if fractions is not None else None}
                                 if budget is not None else {}),  # options in use only (deltalens.config)
            "stages": [{"method": m, "dir": d, "config": c.to_dict(in_use=True)}
@@ -325,7 +303,7 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
     else:
         run.create(top, overwrite=overwrite)
 
-    totals = [_total(m, c) for m, c in zip(methods, cfgs)]
+    totals = [get_method(m).total(c) for m, c in zip(methods, cfgs)]
     grand = sum(totals)
     for i, (method, d, cfg) in enumerate(zip(methods, dirs, cfgs)):
         sub = out / d
@@ -335,7 +313,7 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
                 if progress:
                     progress(_off + done, grand, None if row is None else {**row, "stage": _m, "stage_index": _i})
 
-            trainer = train_es if method == "es" else train_grpo
+            trainer = get_method(method).train
             again = resume and (sub / "config.json").exists()
             if again:
                 trainer(cfg, sub, resume=True, progress=stage_progress)

@@ -4,6 +4,9 @@
     start("es", given={"iterations": 200}, resume="runs/es")                 # continue with new settings
     resume_run("runs/x", given={"iterations": 200})                          # deltalens train resume DIR
 
+A method's config class and trainer come from the registry (`deltalens.training.methods`): `start`
+takes every registered method (es, grpo, ...) and `chain`; a resume reads the method from the run.
+
 Precedence, lowest first: the dataclass defaults, the preset (`auto`: the model's own preset where it
 has one, else the paper's; `deltalens.presets`), the YAML file, the options given on the command line.
 Without a task anywhere, the model's default task is used (`deltalens.presets.default_task`). A resume starts from
@@ -30,16 +33,26 @@ from deltalens.config import Config, brief, is_run_config, load_yaml
 from deltalens.errors import DeltalensError
 from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
+from deltalens.methods import chain_stages, chains, is_run_method
 from deltalens.presets import auto_preset, default_task
+from deltalens.training import methods
 from deltalens.training.chain import ChainConfig, train_chain, train_chain_config
-from deltalens.training.es.config import ESConfig
-from deltalens.training.es.train import train_es
-from deltalens.training.grpo.config import GRPOConfig
-from deltalens.training.grpo.train import train_grpo
 
-CONFIGS: dict[str, type[Config]] = {"es": ESConfig, "grpo": GRPOConfig, "chain": ChainConfig}
-CHAIN_METHODS = ("es-grpo", "grpo-es")  # what a chain's config.json says in "method"
 Progress = Callable[[int, int, "dict | None"], None]
+
+
+def commands() -> tuple[str, ...]:
+    """What `start` takes: every registered method, then chain."""
+    return (*methods.REGISTRY, "chain")
+
+
+def config_class(method: str) -> type[Config]:
+    """The config class of `deltalens train METHOD` (a registered method, or chain)."""
+    if method == "chain":
+        return ChainConfig
+    if methods.find(method) is None:
+        raise DeltalensError(f"unknown method {method!r}; use one of {', '.join(commands())}")
+    return methods.get(method).config
 
 
 def _yaml(path: str | Path | None, method: str) -> tuple[dict, str | None, bool]:
@@ -52,10 +65,10 @@ def _yaml(path: str | Path | None, method: str) -> tuple[dict, str | None, bool]
     named = data.pop("method", None)
     data.pop("deltalens_version", None)
     chain_run = run and "stages" in data
-    target = "chain" if named in CHAIN_METHODS or chain_run else named
+    target = "chain" if chain_stages(named) is not None or chain_run else named
     if target is not None and target != method:
-        if target not in tuple(CONFIGS):  # any YAML value (a list too): never echo it whole
-            raise DeltalensError(f"{path}: method must be one of {', '.join((*CONFIGS, *CHAIN_METHODS))} "
+        if not isinstance(target, str) or target not in commands():  # any YAML value: never echo it whole
+            raise DeltalensError(f"{path}: method must be one of {', '.join((*commands(), *chains()))} "
                                  f"(got {brief(named)})")
         what = "a run's config.json for method" if run else "a"
         what = f"{what} {brief(named, 40)}" + ("" if run else " config")
@@ -69,9 +82,7 @@ def make_config(method: str, *, given: dict | None = None, yaml_path: str | Path
                 preset: str | None = None) -> tuple[Config, str]:
     """The config of a new `method` run and the preset used. `given`: command-line options actually passed.
     A run's config.json as `yaml_path` gives that run's config (module docstring)."""
-    if method not in CONFIGS:
-        raise DeltalensError(f"unknown method {method!r}; use one of {', '.join(CONFIGS)}")
-    cls = CONFIGS[method]
+    cls = config_class(method)
     given = dict(given or {})
     yaml, yaml_preset, run = _yaml(yaml_path, method)
     source = str(yaml_path) if yaml_path is not None else "the config file"
@@ -103,8 +114,8 @@ def start(method: str, *, out: str | Path | None = None, resume: str | Path | No
             raise DeltalensError(f"--out {out} and --resume {resume} differ; pass only --resume {resume}")
         if preset is not None:
             raise DeltalensError("--preset is for new runs; a resumed run keeps its own settings")
-        stored = _run_method(Path(resume))
-        if stored != method and not (method == "chain" and stored in CHAIN_METHODS):
+        stored, is_chain = _run_method(Path(resume))
+        if stored != method and not (method == "chain" and is_chain):
             raise DeltalensError(f"{resume} is a {stored} run; continue it with `deltalens train resume {resume}`")
         yaml, _, run = _yaml(yaml_path, method)
         if run:
@@ -119,8 +130,7 @@ def start(method: str, *, out: str | Path | None = None, resume: str | Path | No
     if isinstance(config, ChainConfig):
         _check_chain_start(config, preset)
         return train_chain_config(config, out, preset=preset, overwrite=overwrite, progress=progress)
-    trainer = train_es if method == "es" else train_grpo
-    return trainer(config, out, resume=False, progress=progress, overwrite=overwrite)
+    return methods.get(method).train(config, out, resume=False, progress=progress, overwrite=overwrite)
 
 
 def check_start(model: str, chat_templates) -> None:
@@ -156,28 +166,30 @@ def train_unless_finished(run_dir: str | Path, total: int, label: str, train: Ca
     train(resume=again, progress=(lambda done, total, row=None: bar(done, total)) if bar else None)
 
 
-def _run_method(run_dir: Path) -> str:
+def _run_method(run_dir: Path) -> tuple[str, bool]:
+    """(the method a run's config.json names, whether the run is a chain)."""
     run = RunDir(run_dir)
     if not (run.path / "config.json").is_file():
         raise DeltalensError(f"nothing to resume in {run.path} (no config.json); start a run with --out")
-    method = run.config().get("method")  # a corrupt config.json is a one-line error naming it
-    if method not in ("es", "grpo", *CHAIN_METHODS):
+    config = run.config()  # a corrupt config.json is a one-line error naming it
+    method = config.get("method")
+    if not is_run_method(method):
         raise DeltalensError(f"{run.path}/config.json names no deltalens training method; is it a run directory?")
-    return method
+    # a one-stage chain says "es" like an ES run; its stages tell them apart
+    return method, chain_stages(method) is not None or isinstance(config.get("stages"), list)
 
 
 def resume_run(run_dir: str | Path, *, given: dict | None = None, progress: Progress | None = None) -> Path:
     """`deltalens train resume DIR`: continue the run with its own method and settings; `given` may change
     the settings that do not decide the trajectory (e.g. `iterations`/`steps` to grow it)."""
     run_dir = Path(run_dir)
-    method = _run_method(run_dir)
+    method, is_chain = _run_method(run_dir)
     given = dict(given or {})
-    if method in CHAIN_METHODS:
+    if is_chain:
         if given:
             raise DeltalensError(f"a chain resumes with its stored settings; drop {', '.join(sorted(given))}")
         return train_chain(run_dir, RunDir(run_dir).config()["methods"], resume=True, progress=progress)
-    cls = CONFIGS[method]
-    stored = cls.from_dict(RunDir(run_dir).config(), source=str(run_dir / "config.json"))
-    config = cls.resolve(stored={k: v for k, v in stored.to_dict().items() if k != "method"}, given=given)
-    trainer = train_es if method == "es" else train_grpo
-    return trainer(config, run_dir, resume=True, progress=progress)
+    m = methods.get(method)
+    stored = m.config.from_dict(RunDir(run_dir).config(), source=str(run_dir / "config.json"))
+    config = m.config.resolve(stored={k: v for k, v in stored.to_dict().items() if k != "method"}, given=given)
+    return m.train(config, run_dir, resume=True, progress=progress)

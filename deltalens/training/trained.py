@@ -12,6 +12,7 @@ from pathlib import Path
 from deltalens.errors import DeltalensError
 from deltalens.io.runs import RunDir
 from deltalens.tasks import Task, get_task
+from deltalens.training import methods
 
 
 def _done(run: RunDir) -> int:
@@ -24,27 +25,17 @@ def _done(run: RunDir) -> int:
 
 def trained_problems(run_dir: str | Path) -> tuple[Task, list]:
     """(the run's task, the problems of every iteration/step up to its weights, in training order).
-    A chain gives its stages' problems in stage order; repeats are kept (a prompt drawn twice counts twice)."""
-    from deltalens.training.es.config import ESConfig
-    from deltalens.training.es.strategy import iteration_problems
-    from deltalens.training.grpo.config import GRPOConfig
-    from deltalens.training.grpo.train import run_problems
-
+    A chain gives its stages' problems in stage order; repeats are kept (a prompt drawn twice counts twice).
+    Each method regenerates its own (`Method.problems`)."""
     run = RunDir(run_dir)
     if not (run.path / "config.json").is_file():
         raise DeltalensError(f"--trained-on {run_dir}: not a run directory (no config.json)")
     cfg = run.config()
-    method = cfg.get("method")
-    if method in ("es", "grpo"):
-        cls = ESConfig if method == "es" else GRPOConfig
-        c = cls.from_dict(cfg, source=str(run.path / "config.json"))
+    m = methods.find(cfg.get("method"))
+    if m is not None and "stages" not in cfg:  # a one-stage chain says "es" too
+        c = m.config.from_dict(cfg, source=str(run.path / "config.json"))
         task = get_task(c.task, data=c.data, question_field=c.question_field, answer_field=c.answer_field)
-        done = _done(run)
-        if method == "es":
-            problems = [p for it in range(1, done + 1) for p in iteration_problems(task, c, it)]
-        else:
-            problems = run_problems(task, c, 1, done)
-        return task, problems
+        return task, m.problems(task, c, _done(run))
     stages = cfg.get("stages")
     if not isinstance(stages, list) or not stages:
         raise DeltalensError(f"--trained-on {run_dir}: {run.path / 'config.json'} names no deltalens training method")

@@ -12,7 +12,7 @@ from support import run_cli
 
 from deltalens.config import flag_name
 from deltalens.training import chain as chain_mod
-from deltalens.training import launch
+from deltalens.training import launch, methods
 from deltalens.training.chain import ChainConfig, stage_configs
 from deltalens.training.es.config import ESConfig
 from deltalens.training.grpo.config import GRPOConfig
@@ -35,6 +35,7 @@ ES_TABLE = {
     "fitness": (["--fitness", "centered_rank"], "centered_rank"),
     "params": (["--params", "*.mlp.*,!*.bias"], ("*.mlp.*", "!*.bias")),
     "dtype": (["--dtype", "bf16"], "bf16"),
+    "compute_dtype": (["--compute-dtype", "bf16"], "bf16"),  # members generate in bf16 (fp32 weights)
     "restore": (["--restore", "subtract"], "subtract"),
     "arithmetic": (["--arithmetic", "reference", "--restore", "subtract"], "reference"),
     "iterations": (["--iterations", "7"], 7),
@@ -124,8 +125,8 @@ def captured(monkeypatch, tmp_path):
         seen.update(kw, methods=methods)
         return out
 
-    monkeypatch.setattr(launch, "train_es", es)
-    monkeypatch.setattr(launch, "train_grpo", es)
+    for name in ("es", "grpo"):
+        monkeypatch.setitem(methods.REGISTRY, name, dataclasses.replace(methods.get(name), train=es))
     monkeypatch.setattr(chain_mod, "train_chain", chain)
     # the chain's up-front model check loads the model: these tests only route options (e.g. --model some/dir)
     monkeypatch.setattr(launch, "_check_chain_start", lambda config, preset: None)
@@ -282,8 +283,9 @@ def test_method_alias(old, new_method, captured, tmp_path):
 
 def test_resume_reads_the_method_from_the_run(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(launch, "train_grpo", lambda config, out, resume=False, **kw: seen.update(
-        config=config, resume=resume) or out)
+    monkeypatch.setitem(methods.REGISTRY, "grpo", dataclasses.replace(
+        methods.get("grpo"), train=lambda config, out, resume=False, **kw: seen.update(config=config, resume=resume)
+        or out))
     run = tmp_path / "g"
     run.mkdir()
     cfg = {**GRPOConfig.preset("tiny").to_dict(), "deltalens_version": "x"}
