@@ -30,6 +30,8 @@ def show(doc: dict, out: Path, console=None) -> None:
     t.add_column("verdict", no_wrap=True)
     for cl in study["claims"]:
         t.add_row(Text(f"({cl['id']}) {cl['title']}", style="bold"), "", "", Text(cl["verdict"], style="bold"))
+        if cl.get("note"):  # a paper claim the study did not run: the option that runs it
+            t.add_row(Text("  " + cl["note"]), "", "", "")
         for ch in cl["checks"]:
             est, lo, hi = ch["estimate"], ch["ci_low"], ch["ci_high"]
             t.add_row(Text("  " + ch["check"]), "-" if est is None else f"{est:.3g}",

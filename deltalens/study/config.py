@@ -7,13 +7,14 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from deltalens.config import Config, check, option
+from deltalens.config import NOT_NONE, Config, check, option
+from deltalens.methods import run_methods
 from deltalens.presets import default_task
 from deltalens.training.budget import parse_budget
 from deltalens.training.tracking import HELP as REPORT_TO_HELP
 from deltalens.training.tracking import normalize_report_to
 
-METHODS = ("es", "grpo", "es-grpo", "grpo-es")
+PAPER_TEMPERATURE = 0.6  # the paper's evaluation temperature: claim 1's verdict uses it when it is evaluated
 
 
 @dataclass
@@ -34,8 +35,12 @@ class StudyConfig(Config):
     base_seeds: int = option(3, "sampling seeds of the base model's evaluation")
     limit: int | None = option(None, "test problems evaluated (default: the whole test split)")
     samples: int = option(32, "samples per problem (the paper's 32)", flags=("-n",))
-    temperature: float = option(0.6, "evaluation sampling temperature (the paper's 0.6)")
-    ks: tuple[int, ...] = option((1, 16, 32), "K values of Pass@K and Maj@K")
+    temperature: float | None = option(None, "evaluation sampling temperature (default: the paper's 0.6); one "
+                                       "value, as --temperatures T")
+    temperatures: tuple[float, ...] | None = option(None, "evaluation temperatures, comma-separated (e.g. 0.6,1.0: "
+                                                    "T=1.0 beside the paper's 0.6 checks a cold-base artefact); "
+                                                    "claim 1's verdict uses 0.6 when listed, else the first")
+    ks: tuple[int, ...] = option((1, 16, 32), "K values of Pass@K and Maj@K", flags=("--k",))
     sparsity: tuple[float, ...] = option((0.5, 0.9, 0.99), "target sparsities of the thresholding (claim 3)")
     sparsify_samples: int = option(8, "samples per problem of the sparsity evaluations (Pass@1)")
     diversity_members: int = option(8, "ES population size of the diversity measurement (claim 7)")
@@ -47,16 +52,28 @@ class StudyConfig(Config):
                           "training, entropy and diversity always run on HF")
     report_to: str = option("none", REPORT_TO_HELP + "; each training run logs in its own directory")
     resamples: int = option(10000, "bootstrap resamples of every interval (heavy-tailed t draws at 2 seeds need many)")
+    population_sizes: tuple[int, ...] = option((), "claim 6: extra ES runs at these population sizes N (every "
+                                               "seed, same budget: smaller N, more iterations), e.g. 4,8,16")
+    two_point: bool = option(False, "claim 7: an extra two-point ES run per seed (N=2, one antithetic pair) at "
+                             "the same budget")
+    ray: str | None = option(None, "run the study's tasks on Ray: auto, local or a cluster address host:port "
+                             "(default: in this process)")
+    cpus_per_run: float = option(1.0, "CPUs each task declares to Ray", needs=("ray", NOT_NONE))
+    gpus_per_run: float = option(0.0, "GPUs each task declares to Ray", needs=("ray", NOT_NONE))
     noninferiority_margin: float = option(0.02, "non-inferiority margin of a 'keeps' check (ES keeps Pass@16/32): "
                                           "reproduced when method minus base is surely above -margin")
 
     def __post_init__(self):
         self.methods, self.seeds, self.ks = tuple(self.methods), tuple(self.seeds), tuple(sorted(set(self.ks)))
         self.sparsity, self.held_out = tuple(self.sparsity), tuple(self.held_out)
+        self.population_sizes = tuple(sorted(set(self.population_sizes)))
+        if self.temperatures is not None:
+            self.temperatures = tuple(self.temperatures)
+        temps = self.eval_temperatures if self.temperatures is None or self.temperature is None else ()
         self.report_to = normalize_report_to(self.report_to)
         check([
-            (bool(self.methods) and set(self.methods) <= set(METHODS),
-             f"--methods must be among {', '.join(METHODS)} (got {','.join(self.methods)})"),
+            (bool(self.methods) and set(self.methods) <= set(run_methods()),
+             f"--methods must be among {', '.join(run_methods())} (got {','.join(self.methods)})"),
             (len(set(self.methods)) == len(self.methods), "--methods lists a method twice"),
             (bool(self.seeds) and len(set(self.seeds)) == len(self.seeds), "--seeds must be distinct integers"),
             (all(x >= 0 for x in self.seeds), f"--seeds must be >= 0 (got {','.join(map(str, self.seeds))})"),
@@ -64,7 +81,16 @@ class StudyConfig(Config):
             (self.limit is None or self.limit >= 2, f"--limit must be >= 2 (got {self.limit})"),
             (self.samples >= 1 and max(self.ks) <= self.samples and min(self.ks) >= 1,
              f"--ks must lie in 1..--samples {self.samples} (got {list(self.ks)})"),
-            (math.isfinite(self.temperature) and self.temperature > 0, "--temperature must be > 0 (sampling)"),
+            (self.temperature is None or self.temperatures is None,
+             "give --temperature or --temperatures, not both"),
+            (all(math.isfinite(t) and t > 0 for t in temps), "--temperature(s) must be > 0 (sampling)"),
+            (len(set(temps)) == len(temps) and (self.temperatures is None or bool(self.temperatures)),
+             "--temperatures must be distinct values"),
+            (all(n >= 2 for n in self.population_sizes), "--population-sizes must be >= 2"),
+            (not (self.population_sizes or self.two_point) or "es" in self.methods,
+             "--population-sizes and --two-point compare against the es runs: add es to --methods"),
+            (self.ray is None or bool(self.ray.strip()), "--ray must be auto, local or host:port"),
+            (self.cpus_per_run > 0 and self.gpus_per_run >= 0, "--cpus-per-run must be > 0, --gpus-per-run >= 0"),
             (all(0 < s < 1 for s in self.sparsity), "--sparsity values must lie in (0, 1)"),
             (self.sparsify_samples >= 1 and self.diversity_members >= 2 and self.diversity_prompts >= 1
              and self.entropy_prompts >= 1, "sample, member and prompt counts must be positive (members >= 2)"),
@@ -75,5 +101,20 @@ class StudyConfig(Config):
         ])
         if self.budget is not None:
             self.budget = parse_budget(self.budget)
+
         if self.task is None:
             self.task = default_task(self.model)
+
+    @property
+    def eval_temperatures(self) -> tuple[float, ...]:
+        """Every temperature the evaluations run at (--temperatures, else --temperature, else the paper's)."""
+        if self.temperatures is not None:
+            return self.temperatures
+        return (self.temperature if self.temperature is not None else PAPER_TEMPERATURE,)
+
+    @property
+    def verdict_temperature(self) -> float:
+        """The temperature of the verdicts and of every other measurement (sparsity, entropy, diversity): the
+        paper's 0.6 when evaluated (claim 1 is the paper's statement at its setting), else the first given."""
+        temps = self.eval_temperatures
+        return PAPER_TEMPERATURE if PAPER_TEMPERATURE in temps else temps[0]

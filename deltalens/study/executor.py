@@ -38,6 +38,7 @@ class TaskContext:
     root: Path                # the study directory as this worker sees it
     deps: dict[str, Any]      # result of every task named in Task.deps, by key
     log: Log = print
+    progress: Callable | None = None  # progress_factory(description, total) -> bar, or None (no bars)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +93,16 @@ def check_graph(tasks: Sequence[Task]) -> list[Task]:
 
 
 class LocalExecutor:
-    """Runs the graph in this process, one task at a time, in dependency order (plan order where free)."""
+    """Runs the graph in this process, one task at a time, in dependency order (plan order where free).
+    `progress_factory(description, total)`: the progress bars every task gets (TaskContext.progress)."""
+
+    def __init__(self, progress_factory: Callable | None = None):
+        self.progress_factory = progress_factory
 
     def run(self, tasks: Sequence[Task], root: Path, log: Log = print) -> dict[str, Any]:
         results: dict[str, Any] = {}
         for t in check_graph(tasks):
-            ctx = TaskContext(root=Path(root), deps={d: results[d] for d in t.deps}, log=log)
+            ctx = TaskContext(root=Path(root), deps={d: results[d] for d in t.deps}, log=log,
+                              progress=self.progress_factory)
             results[t.key] = t.fn(ctx, *t.args, **t.kwargs)
         return results

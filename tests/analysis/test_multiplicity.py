@@ -16,7 +16,8 @@ from deltalens.analysis import multiplicity as mu
 from deltalens.analysis import stats
 from deltalens.errors import DeltalensError
 from deltalens.schema import validate
-from deltalens.study import run as study_run
+from deltalens.study import checks as study_checks
+from deltalens.study import claims as study_claims
 from deltalens.study.config import StudyConfig
 
 # ------------------------------------------------------------------------------------------------ Holm
@@ -221,11 +222,10 @@ def test_study_checks_and_summary_share_one_base_and_are_holm_adjusted():
         c[list(drop)] = 1 if len(drop) == 3 else 0
         c[1] = 0  # the base solves problem 1 at 3/32 (mean of 3, 4, 2): not one it loses
         grpo.append(c)
-    run_evals = {**{f"grpo-s{s}": _ev(c) for s, c in enumerate(grpo)}, **{f"es-s{s}": _ev(base_c + 2) for s in range(3)}}
-    by_method = {m: [{"label": f"{m}-s{s}"} for s in range(3)] for m in ("es", "grpo")}
+    evals = {"grpo": [_ev(c) for c in grpo], "es": [_ev(base_c + 2) for _ in range(3)]}
     cfg = StudyConfig(model="tiny", task="arith", methods=("es", "grpo"), seeds=(0, 1, 2), noninferiority_margin=0.02)
-    checks, effects = study_run._evaluation_checks(cfg, base_evals, run_evals, by_method, 2000)
-    summary = study_run.effects_summary(effects)
+    checks, effects = study_checks.evaluation_checks(cfg, base_evals, evals, 2000)
+    summary = study_checks.effects_summary(effects)
     for k in (1, 16, 32):  # the base of every summary row and check: the mean over the 3 sampling seeds
         base_k = np.mean([[_pass(32, r["correct"], k) for r in ev["per_problem"]] for ev in base_evals])
         for meth in ("es", "grpo"):
@@ -243,7 +243,7 @@ def test_study_checks_and_summary_share_one_base_and_are_holm_adjusted():
     vs = by["problems lost, grpo minus es (share of the 32 the base solves)"]
     assert vs["estimate"] == pytest.approx(7 / 96) and vs["lost_es"] == [0, 0, 0]
 
-    study_run._adjust(checks)
+    study_checks.adjust(checks)
     m = len(checks)
     assert all("_evidence" not in c for c in checks)
     for c in checks:
@@ -257,14 +257,14 @@ def test_study_checks_and_summary_share_one_base_and_are_holm_adjusted():
     assert lost["seed_spread"] and lost["p_value"] == pytest.approx(2 * sps.t.sf((7 / 3) / (np.std([4, 3, 0], ddof=1)
                                                                                             / math.sqrt(3)), 2))
     # the document: valid, JSON without NaN, the tables show Holm's verdict beside the unadjusted interval
-    study = {"rule": stats.rule_text(0.02) + " " + study_run.SEED_SPREAD,
-             "claims": [{"id": 1, "title": study_run.CLAIMS[1], "verdict": study_run._claim_verdict(checks),
+    study = {"rule": stats.rule_text(0.02) + " " + study_claims.SEED_SPREAD,
+             "claims": [{"id": 1, "title": study_claims.CLAIMS[1], "verdict": study_checks.claim_verdict(checks),
                          "checks": checks}]}
     doc = json.loads(json.dumps({"schema_version": 1, "deltalens_version": "0", "created": "2026-12-01T00:00:00Z",
                                  "models": [], "study": study}, default=float))
     validate(doc)
     md = study_markdown(doc)
     assert "| 95% interval (unadjusted) | MC SE of bounds | Holm interval | p (Holm) |" in md
-    assert "claims 3 and 7 measure the first seed's runs only" in md
+    assert "claims 3, 9 and 10 measure the first seed's runs only" in md
     row = next(x for x in md.splitlines() if x.startswith("|  | es vs base, Pass@16: keeps"))
     assert row.endswith("| + vs -0.02 | reproduced | reproduced |") and "analytic" not in row

@@ -1,0 +1,249 @@
+"""A study's checks: one directional test each, with its interval, evidence and verdict.
+
+A check states the paper's direction (+1 raises, -1 lowers) against a null (0 for a difference, 1 or 40/44
+for a distance ratio, 0.5 or a stated fraction for a share of a gain, minus the non-inferiority margin for
+a "keeps" check), an estimate and its 95% interval (`deltalens.analysis.stats`), and the evidence the
+p-value and the Holm-level interval come from (`deltalens.analysis.multiplicity`: bootstrap `Replicates`,
+a t statistic `TStat` over seeds, or a `Fieller` ratio). `adjust` applies Holm over every check of the
+study at once; a claim's verdict is the agreement of its checks (`claim_verdict`).
+
+The checks computed from the evaluations live here (claims 1, 5, 6 and 7: every method's effect on
+Pass@K/Maj@K against one base, the mean over its sampling seeds per problem), with the distance checks
+(claims 2 and 4) and the entropy checks (claim 8); claim 3's come with the sparsity sweep
+(`deltalens.study.sparsity`), claims 9 and 10's with the population (`deltalens.study.diversity`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from deltalens.analysis import multiplicity, stats
+from deltalens.study.config import StudyConfig
+from deltalens.study.measures import per_problem
+
+NORM_ATTN = ("norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o", "attn_bias")
+EMBED_HEAD = ("embed", "lm_head")
+PAPER_RATIO = (40.0, 44.0)  # claim 2: the paper's range of rel. L2 ES / GRPO
+SCALE_FRACTION = 0.9  # claim 6: a population "reaches" the reference ES gain when it keeps this share of it
+TWO_POINT_MARGIN = 0.02  # claim 7: "no advantage" = two-point minus N=16 surely below this (Pass@K points)
+
+
+def check(claim: int, name: str, method: str, metric: str, est: float, ci, direction: int,
+          null: float = 0.0, *, evidence=None, seed_spread: bool = True, **extra) -> dict:
+    """One check. `evidence` (`multiplicity.Replicates`, `TStat` or `Fieller`; None: untestable) is what
+    `adjust` derives the p-value, the Holm-level interval and the Monte Carlo SEs from; `seed_spread`:
+    whether its interval carries the spread over training seeds (claims 3, 9 and 10 measure seed 0 only)."""
+    return {"claim": claim, "check": name, "method": method, "metric": metric, "estimate": est,
+            "ci_low": ci[0], "ci_high": ci[1], "direction": "+" if direction > 0 else "-", "null": null,
+            "verdict": stats.verdict(ci, direction, null), "seed_spread": bool(seed_spread),
+            "_evidence": evidence, **extra}
+
+
+def adjust(checks: list[dict]) -> list[dict]:
+    """Holm across every check of the study (`multiplicity.judge`): each check keeps its unadjusted 95%
+    interval (ci_low/ci_high, now from its evidence) with its bounds' Monte Carlo SEs and unadjusted verdict,
+    and gets its p-value, Holm's adjusted p, the Holm-level interval, and `verdict`: Holm's. In place."""
+    tests = [(c.pop("_evidence", None), float(c["null"]), 1 if c["direction"] == "+" else -1) for c in checks]
+    for c, (ev, _, _), res in zip(checks, tests, multiplicity.judge(tests)):
+        if ev is None:  # no evidence: the interval stays as it was (undefined), untestable
+            res = {**res, "ci_low": c["ci_low"], "ci_high": c["ci_high"]}
+        c.update(res)
+    return checks
+
+
+def claim_verdict(checks: list[dict]) -> str:
+    v = {c["verdict"] for c in checks}
+    if v == {"reproduced"}:
+        return "reproduced"
+    if v == {"contradicted"}:
+        return "contradicted"
+    if "reproduced" in v or "contradicted" in v:
+        return "mixed"
+    return "unclear"
+
+
+def table_of(evs: list[dict], metric: str, k: int) -> list[list[float]]:
+    """(runs or seeds, problems) per-problem values of one metric."""
+    return [per_problem(e, metric, k) for e in evs]
+
+
+def _effect_check(claim, name, meth, k, e, direction, null=0.0, *, trained_base=False, **extra) -> dict:
+    """A check on one `stats.paired_effect` of Pass@k; its seed spread: the method's seeds, and the other
+    side's too when that is a trained method (`trained_base`)."""
+    spread = e["seeds"] > 1 or (trained_base and e["base_seeds"] > 1)
+    return check(claim, name, meth, f"pass@{k}", e["estimate"], e["ci"], direction, null=null, per_seed=e["per_seed"],
+                 evidence=multiplicity.Replicates(e["replicates"]), seed_spread=spread, **extra)
+
+
+def method_effects(cfg: StudyConfig, base_evals: list[dict], evals_by_group: dict[str, list[dict]], R: int) -> dict:
+    """Every group's effect on Pass@K and Maj@K (K > 1; Maj@1 = Pass@1) against the base: the mean over its
+    sampling seeds, per problem (`stats.paired_effect`). Keyed (group, metric, k)."""
+    effects = {}
+    for group, evs in evals_by_group.items():
+        for metric, ks in (("pass", cfg.ks), ("maj", [k for k in cfg.ks if k > 1])):
+            for k in ks:
+                effects[(group, metric, k)] = stats.paired_effect(table_of(evs, metric, k),
+                                                                  table_of(base_evals, metric, k), span=1.0,
+                                                                  resamples=R, replicates=True)
+    return effects
+
+
+def evaluation_checks(cfg: StudyConfig, base_evals: list[dict], evals_by_group: dict[str, list[dict]], R: int,
+                      *, at: str = "", primary: bool = True) -> tuple[list[dict], dict]:
+    """Claims 1 and 5 (and 6, 7 when their runs exist) from the evaluations at one temperature. Claim 1:
+    GRPO's Pass@K checks, ES's Pass@1 (raises) and Pass@K>1 (keeps: non-inferiority at
+    `cfg.noninferiority_margin`), problems lost (`stats.problems_lost`: GRPO's count per seed, and GRPO minus
+    ES over the problems the base solves). Claim 5: ES->GRPO against ES and GRPO. `at`: a suffix naming the
+    temperature when several are evaluated; `primary`: the verdict temperature (claims 5-7 there only)."""
+    effects = method_effects(cfg, base_evals, evals_by_group, R)
+    checks: list[dict] = []
+    margin = cfg.noninferiority_margin
+    k_hi = [k for k in cfg.ks if k > 1]
+    for meth, want in (("grpo", {1: +1, **{k: -1 for k in k_hi}}), ("es", {k: +1 for k in cfg.ks})):
+        if meth in evals_by_group:
+            for k, d in want.items():
+                e = effects[(meth, "pass", k)]
+                keeps = meth == "es" and k > 1  # the paper's "keeps": not worse than the base by more than margin
+                name = (f"{meth} vs base, Pass@{k}: keeps (non-inferior, margin {margin:g})" if keeps
+                        else f"{meth} vs base, Pass@{k}")
+                checks.append(_effect_check(1, name + at, meth, k, e, d, null=-margin if keeps else 0.0,
+                                            base_value=e["base"]))
+    checks += problems_lost_checks(cfg, base_evals, evals_by_group, R, at)
+    if primary and "es-grpo" in evals_by_group:
+        kmax = max(cfg.ks)
+        chain = evals_by_group["es-grpo"]
+        for other in ("es", "grpo"):
+            if other in evals_by_group:
+                e = stats.paired_effect(table_of(chain, "pass", kmax), table_of(evals_by_group[other], "pass", kmax),
+                                        trained_base=True, span=1.0, resamples=R, replicates=True)
+                checks.append(_effect_check(5, f"es-grpo vs {other}, Pass@{kmax}", "es-grpo", kmax, e, +1,
+                                            trained_base=True))
+        if "grpo" in evals_by_group:
+            a, g = table_of(chain, "pass", 1), table_of(evals_by_group["grpo"], "pass", 1)
+            est, ev = multiplicity.fieller_share(a, g, table_of(base_evals, "pass", 1))
+            checks.append(check(5, "es-grpo keeps GRPO's Pass@1 gain (share, Fieller)", "es-grpo",
+                                "pass@1 gain share", est, ev.interval(stats.LEVEL), +1, null=0.5, evidence=ev,
+                                seed_spread=len(a) > 1 or len(g) > 1))
+    if primary:
+        checks += population_checks(cfg, base_evals, evals_by_group, R)
+    return checks, effects
+
+
+def problems_lost_checks(cfg, base_evals, evals_by_group, R, at="") -> list[dict]:
+    """The narrowing itself, which a net Pass@K can hide: problems the base solves at >= 4/32 that a run
+    drops to <= 1 of its samples; GRPO's count per run, and GRPO minus ES (paired, over those problems)."""
+    checks = []
+    base_rates = [[r["correct"] / r["n"] for r in ev["per_problem"]] for ev in base_evals]
+    lost = {meth: stats.problems_lost(base_rates, [[r["correct"] for r in ev["per_problem"]]
+                                                   for ev in evals_by_group[meth]])
+            for meth in ("grpo", "es") if meth in evals_by_group}
+    what = f"base solves >= {stats.LOST_BASE_AT_LEAST * 32:g}/32, the run <= {stats.LOST_METHOD_AT_MOST}/{cfg.samples}"
+    if "grpo" in lost:
+        g = lost["grpo"]
+        counts = g["per_seed"]
+        checks.append(check(1, f"grpo: problems lost per run ({what}){at}", "grpo", "problems lost",
+                            sum(counts) / len(counts), stats.seed_interval(counts), +1, per_seed=counts,
+                            eligible=int(g["eligible"].size), evidence=multiplicity.TStat.from_seeds(counts),
+                            seed_spread=len(counts) > 1))
+        if "es" in lost:
+            n_elig = int(g["eligible"].size)
+            name = f"problems lost, grpo minus es (share of the {n_elig} the base solves){at}"
+            if n_elig >= 2:
+                e = stats.paired_effect(g["lost"], lost["es"]["lost"], trained_base=True, span=1.0, resamples=R,
+                                        replicates=True)
+                checks.append(check(1, name, "grpo", "problems lost share", e["estimate"], e["ci"], +1,
+                                    per_seed=e["per_seed"], eligible=n_elig, lost_es=lost["es"]["per_seed"],
+                                    evidence=multiplicity.Replicates(e["replicates"]),
+                                    seed_spread=e["seeds"] > 1 or e["base_seeds"] > 1))
+            else:  # fewer than 2 problems to compare on: untestable, shown as such
+                checks.append(check(1, name, "grpo", "problems lost share", math.nan, (math.nan, math.nan), +1,
+                                    eligible=n_elig, lost_es=lost["es"]["per_seed"]))
+    return checks
+
+
+def population_checks(cfg, base_evals, evals_by_group, R) -> list[dict]:
+    """Claim 6: each --population-sizes N's share of the reference ES run's Pass@1 gain (Fieller; reached at
+    SCALE_FRACTION). Claim 7: two-point ES (one antithetic pair) minus the reference ES at equal FLOPs, Pass@1
+    and Pass@Kmax: "no advantage" = surely below +TWO_POINT_MARGIN (direction -1 against that null)."""
+    checks = []
+    if "es" not in evals_by_group:
+        return checks
+    ref = evals_by_group["es"]
+    base1 = table_of(base_evals, "pass", 1)
+    for n in cfg.population_sizes:
+        evs = evals_by_group.get(f"es-n{n}")
+        if evs:
+            est, ev = multiplicity.fieller_share(table_of(evs, "pass", 1), table_of(ref, "pass", 1), base1)
+            checks.append(check(6, f"es N={n}: share of the reference ES run's Pass@1 gain (Fieller), at least "
+                                   f"{SCALE_FRACTION:g}", f"es-n{n}", "pass@1 gain share", est,
+                                ev.interval(stats.LEVEL), +1, null=SCALE_FRACTION, evidence=ev,
+                                seed_spread=len(evs) > 1, population=n))
+    two = evals_by_group.get("es-2pt")
+    if two:
+        for k in sorted({1, max(cfg.ks)}):
+            e = stats.paired_effect(table_of(two, "pass", k), table_of(ref, "pass", k), trained_base=True, span=1.0,
+                                    resamples=R, replicates=True)
+            checks.append(_effect_check(7, f"two-point es (N=2) minus es, Pass@{k}: no advantage (below "
+                                           f"+{TWO_POINT_MARGIN:g})", "es-2pt", k, e, -1, null=TWO_POINT_MARGIN,
+                                        trained_base=True))
+    return checks
+
+
+def distance_checks(cfg: StudyConfig, diffs: dict, R: int) -> list[dict]:
+    """Claim 2: rel. L2 from init, ES / GRPO per seed, farther (null 1) and within the paper's 40-44x (at least
+    40, at most 44: both reproduced = inside the range; an estimate above it reads "mixed"). Claim 4: the
+    top-100 coordinates' share in norm + attention (ES) and embed + lm_head (GRPO), per seed, by |Δ| and
+    |Δ|/|θ0|."""
+    checks: list[dict] = []
+    pairs = [(f"es-s{s}", f"grpo-s{s}") for s in cfg.seeds]
+    ratios = [diffs[a]["whole"]["rel_l2"] / diffs[b]["whole"]["rel_l2"] for a, b in pairs if diffs[b]["whole"]["rel_l2"]]
+    if ratios:
+        ci = stats.seed_interval(ratios)
+        est = sum(ratios) / len(ratios)
+        ev = multiplicity.TStat.from_seeds(ratios)
+        lo, hi = PAPER_RATIO
+        common = {"per_seed": ratios, "evidence": ev, "seed_spread": len(ratios) > 1,
+                  "paper_range_in_ci": bool(ci[0] <= hi and ci[1] >= lo)}
+        checks.append(check(2, "rel. L2 from init, ES / GRPO (per seed): ES farther", "es/grpo", "rel_l2 ratio",
+                            est, ci, +1, null=1.0, **common))
+        checks.append(check(2, f"the same ratio: at least the paper's {lo:g}x", "es/grpo", "rel_l2 ratio", est, ci,
+                            +1, null=lo, **common))
+        checks.append(check(2, f"the same ratio: at most the paper's {hi:g}x", "es/grpo", "rel_l2 ratio", est, ci,
+                            -1, null=hi, **common))
+    for rank in ("abs", "rel"):
+        def share(label, groups, rank=rank):
+            comp = diffs[label]["topk"][rank]["composition"]
+            total = sum(comp.values())
+            return sum(comp.get(g, 0) for g in groups) / total if total else 0.0
+
+        for groups, name, who in ((NORM_ATTN, "norm + attention", "es"), (EMBED_HEAD, "embed + lm_head", "grpo")):
+            other = "grpo" if who == "es" else "es"
+            vals = [share(f"{who}-s{s}", groups) - share(f"{other}-s{s}", groups) for s in cfg.seeds]
+            ci = stats.seed_interval(vals)
+            checks.append(check(4, f"top-100 by {'|Δ|' if rank == 'abs' else '|Δ|/|θ0|'}: share in {name}, "
+                                   f"{who} minus {other}", who, f"top-100 {rank} share", sum(vals) / len(vals),
+                                ci, +1, per_seed=vals, evidence=multiplicity.TStat.from_seeds(vals),
+                                seed_spread=len(vals) > 1))
+    return checks
+
+
+def entropy_checks(base_ent: list[float], ent: dict[str, list[list[float]]], R: int) -> list[dict]:
+    """Claim 8 (ours): GRPO lowers token entropy against the base; ES keeps more of it than GRPO."""
+    checks = []
+    if "grpo" in ent:
+        e = stats.paired_effect(ent["grpo"], [base_ent], resamples=R, replicates=True)
+        checks.append(check(8, "grpo vs base, token entropy", "grpo", "entropy", e["estimate"], e["ci"], -1,
+                            per_seed=e["per_seed"], evidence=multiplicity.Replicates(e["replicates"]),
+                            seed_spread=e["seeds"] > 1))
+    if "es" in ent and "grpo" in ent:
+        e = stats.paired_effect(ent["es"], ent["grpo"], trained_base=True, resamples=R, replicates=True)
+        checks.append(check(8, "token entropy, es minus grpo", "es", "entropy", e["estimate"], e["ci"], +1,
+                            per_seed=e["per_seed"], evidence=multiplicity.Replicates(e["replicates"]),
+                            seed_spread=e["seeds"] > 1 or e["base_seeds"] > 1))
+    return checks
+
+
+def effects_summary(effects: dict) -> dict:
+    """The study's `effects` (what the summary rows show): the same effects as the claim-1 checks."""
+    return {f"{meth}:{metric}@{k}": {kk: effects[(meth, metric, k)][kk] for kk in ("estimate", "method", "base", "ci")}
+            for (meth, metric, k) in effects}

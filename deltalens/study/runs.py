@@ -1,0 +1,91 @@
+"""A study's runs: every method x seed at one FLOP-matched budget (--budget, else 20 iterations of the
+model's ES preset; `deltalens.training.budget`), each in DIR/runs/<label>:
+
+    es-s0, grpo-s0, es-grpo-s0, ...      the methods the claims compare (group = the method)
+    es-n4-s0, es-n8-s0, ...              --population-sizes: ES at population N, same budget (more iterations
+                                         at smaller N), for claim 6 (group es-n4, ...)
+    es-2pt-s0, ...                       --two-point: ES with one antithetic pair (N = 2), same budget, for
+                                         claim 7 (group es-2pt)
+
+`run_plan` resolves each run's configs (nothing is trained here); `deltalens.study.train` trains one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from deltalens.methods import chain_stages
+from deltalens.presets import auto_preset
+from deltalens.study.config import StudyConfig
+from deltalens.training import methods
+from deltalens.training.chain import stage_configs
+from deltalens.training.es.config import ESConfig
+
+TWO_POINT = "es-2pt"  # the group of --two-point's runs
+
+
+def shown(run_dir, out: Path) -> str:
+    """A run directory as the study's documents show it: relative to the study directory, so that a
+    report names the same runs wherever the study was run or moved (runs/es-s0)."""
+    return Path(os.path.relpath(run_dir, out)).as_posix()
+
+
+def preset_of(cfg: StudyConfig) -> str:
+    return auto_preset(cfg.model) if cfg.preset == "auto" else cfg.preset
+
+
+def study_budget(cfg: StudyConfig) -> float:
+    """The units every method gets: --budget, else 20 iterations of the model's ES preset."""
+    if cfg.budget is not None:
+        return float(cfg.budget)
+    es = methods.get("es")
+    return float(es.units(es.config.preset(preset_of(cfg)), 20))
+
+
+def _es_variant(preset: str, given: dict, population: int, two_point: bool) -> ESConfig:
+    """ES at population N (two-point: N = 2 mirrored), every other setting the preset's; population-batched
+    generation is capped at N (it cannot batch more members than there are)."""
+    batch = min(ESConfig.preset(preset).population_batch, population)
+    extra = {"population": population, "population_batch": batch, **({"antithetic": True} if two_point else {})}
+    return ESConfig.resolve(preset=preset, given={**given, **extra})
+
+
+def run_plan(cfg: StudyConfig, out: Path) -> list[dict]:
+    """Every run: its group (what the claims compare), method, seed, label, directory, total iterations/steps
+    and the configs it trains with (nothing is trained here)."""
+    preset, budget = preset_of(cfg), study_budget(cfg)
+    common = {"model": cfg.model, "task": cfg.task, "chat_template": cfg.chat_template, "report_to": cfg.report_to}
+    groups = [(m, m, None) for m in cfg.methods]
+    groups += [(f"es-n{n}", "es", n) for n in cfg.population_sizes]
+    groups += [(TWO_POINT, "es", 2)] if cfg.two_point else []
+    plan = []
+    for group, method, population in groups:
+        for seed in cfg.seeds:
+            label = f"{group}-s{seed}"
+            d = out / "runs" / label
+            given = {**common, "seed": seed, "budget": budget}
+            stages = chain_stages(method)
+            if population is not None:
+                es = _es_variant(preset, given, population, group == TWO_POINT)
+                total, configs = es.iterations, {"es": es}
+            elif stages is None:  # one method (deltalens.training.methods): its budget gives its count
+                m = methods.get(method)
+                c = m.config.resolve(preset=preset, given=given)
+                total, configs = m.total(c), {method: c}
+            else:  # a chain: its stages split the budget (deltalens.training.chain.stage_configs)
+                configs = {s: methods.get(s).config.resolve(preset=preset, given={**common, "seed": seed})
+                           for s in dict.fromkeys(stages)}
+                cfgs = stage_configs(d, stages, cfg.model, cfg.task, configs, {}, budget)
+                total = sum(methods.get(s).total(c) for s, c in zip(stages, cfgs))
+            plan.append({"group": group, "method": method, "seed": seed, "label": label, "dir": d, "total": total,
+                         "configs": configs})
+    return plan
+
+
+def by_group(plan: list[dict]) -> dict[str, list[dict]]:
+    """The plan's runs by group (es, grpo, es-grpo, es-n4, es-2pt, ...), seeds in order."""
+    out: dict[str, list[dict]] = {}
+    for r in plan:
+        out.setdefault(r["group"], []).append(r)
+    return out

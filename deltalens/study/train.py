@@ -1,0 +1,34 @@
+"""A study's training task: bring one run of the plan to its budget.
+
+`train_run(ctx, cfg, label)` re-derives the run from the plan (`deltalens.study.runs.run_plan`, under the
+study directory as this worker sees it: a chain's stages point at their own directories there) and trains
+it unless finished (`deltalens.training.launch.train_unless_finished`): a new run starts, a killed one
+resumes from its last checkpoint, a finished one is left alone. Its result is small: the run's label,
+directory (relative to the study) and total iterations/steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from deltalens.methods import chain_stages
+from deltalens.study.config import StudyConfig
+from deltalens.study.executor import TaskContext
+from deltalens.study.runs import run_plan, study_budget
+from deltalens.training import methods
+from deltalens.training.chain import train_chain
+from deltalens.training.launch import train_unless_finished
+
+
+def train_run(ctx: TaskContext, cfg: StudyConfig, label: str) -> dict:
+    """Train (or resume) the plan's run `label`; returns {"label", "dir", "total"}."""
+    r = next(x for x in run_plan(cfg, ctx.root) if x["label"] == label)
+    stages = chain_stages(r["method"])
+    if stages is None:
+        fn = functools.partial(methods.get(r["method"]).train, r["configs"][r["method"]], r["dir"])
+    else:
+        fn = functools.partial(train_chain, r["dir"], list(stages), model=cfg.model, task=cfg.task,
+                               budget=study_budget(cfg), es_config=r["configs"].get("es"),
+                               grpo_config=r["configs"].get("grpo"))
+    train_unless_finished(r["dir"], r["total"], r["label"], fn, log=ctx.log, progress_factory=ctx.progress)
+    return {"label": label, "dir": f"runs/{label}", "total": r["total"]}
