@@ -1,4 +1,5 @@
-"""Options shared by several commands (defined once), error handling, and progress reporting.
+"""Error handling, progress reporting and the parsing helpers of every command (options are generated:
+cli/options.py).
 
 Results (tables) go to stdout through `out`, logs, progress and errors to stderr through `console`, so
 `deltalens eval ... > table.txt` keeps the table and a terminal still sees the logs.
@@ -21,7 +22,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -38,33 +38,17 @@ from rich.progress import (
 )
 
 from deltalens.errors import DeltalensError
+from deltalens.evaluation.options import SHARED
 from deltalens.timefmt import duration
 
 console = Console(stderr=True)  # logs, progress, errors
 out = Console(markup=False)  # results (tables) on stdout, so `> file` and pipes get them and logs stay apart;
 # no markup: result tables hold user text (labels, paths, task specs) that must print as it is
 
-# ---- shared options
-Task = Annotated[str | None, typer.Option("--task", "-t", help="task spec: arith, add:digits=2,terms=3, countdown, "
-                                         "gsm8k, jsonl, ... (default: the model's own, else arith)")]
-Data = Annotated[str | None, typer.Option("--data", help="jsonl file or directory (gsm8k, jsonl tasks)")]
-QuestionField = Annotated[str, typer.Option("--question-field", help="jsonl task: question field name")]
-AnswerField = Annotated[str, typer.Option("--answer-field", help="jsonl task: answer field name")]
-Samples = Annotated[int, typer.Option("--samples", "-n", help="samples per problem")]
-Ks = Annotated[str, typer.Option("--k", help="comma-separated K values for Pass@K / Maj@K")]
-Temperature = Annotated[float, typer.Option("--temperature", help="sampling temperature (0 = greedy)")]
-Limit = Annotated[int | None, typer.Option("--limit", help="evaluate only the first N test problems")]
-Seed = Annotated[int, typer.Option("--seed", min=0, help="random seed (>= 0)")]
-Config = Annotated[str | None, typer.Option("--config", help="architecture for bare .pt/.safetensors weights")]
-Arch = Annotated[str | None, typer.Option("--arch", "--config", help="architecture (tiny, smollm2, an HF/run directory, a config.json) for every bare .pt/.safetensors input of the command, the base included; default: the config.json beside each file (--config: the old name)")]
-Dtype = Annotated[str, typer.Option("--dtype", help="model dtype: fp32, bf16, fp16")]
-JsonOut = Annotated[Path | None, typer.Option("--json", help="write results as JSON to this file")]
-MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="generation budget (default: task's)")]
-Backend = Annotated[str, typer.Option("--backend", help="generation backend: hf, or vllm (GPU or CPU build; docs/vllm.md)")]
-Device = Annotated[str, typer.Option("--device", help="where the HF backend runs the model: cpu, cuda, cuda:N, auto")]
-ChatTemplate = Annotated[str, typer.Option("--chat-template", help="prompts through the tokenizer's chat template: "
-                                           "auto (when it has one), on, off")]
-Split = Annotated[str, typer.Option("--split", help="problems to use: test (reports) or validation (tuning)")]
+# ---- options of the hand-written commands (demo): the help lines of the shared option table, so they read as
+# the generated options of every other command do (deltalens.evaluation.options.SHARED; cli/options.py)
+Samples = Annotated[int, typer.Option("--samples", "-n", help=SHARED["samples"][2])]
+Seed = Annotated[int, typer.Option("--seed", min=0, help=SHARED["seed"][2])]
 
 
 def guard(fn):
@@ -258,12 +242,13 @@ class FirstWork:
         return first
 
 
-def parse_floats(text: str, what: str) -> list[float]:
-    """'2.5e-4,5e-4' -> [0.00025, 0.0005] with a one-line error naming the option."""
+def parse_floats(text: str, what: str, *, empty: bool = False) -> list[float]:
+    """'2.5e-4,5e-4' -> [0.00025, 0.0005] with a one-line error naming the option; `empty`: '' gives []
+    (an option whose '' means none) instead of an error."""
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise DeltalensError(f"{what} must be comma-separated numbers like 2.5e-4,5e-4 (got {text!r})") from None
-    if not vals:
+    if not vals and not (empty and not text.strip()):
         raise DeltalensError(f"{what} is empty")
     return vals

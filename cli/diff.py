@@ -1,12 +1,14 @@
 """`deltalens diff` and `deltalens sparsify`: what changed in the weights, and how much of it matters.
 
-Thin typer commands (registered by cli/main.py): each declares its options and calls one library
-function (`deltalens.analysis.delta.diff_analysis`, `deltalens.analysis.sparsify.sparsify_analysis`), then prints rich
+Thin typer commands (registered by cli/main.py): each takes its options from its config dataclass
+(`deltalens.analysis.options.DiffConfig`, `SparsifyConfig`; `--config FILE` supplies them from YAML) and calls
+one library function (`deltalens.analysis.delta.diff_analysis`, `deltalens.analysis.sparsify.sparsify_analysis`), then prints rich
 tables and writes analysis.json (docs/analysis-schema.md) atomically. Method: arXiv 2608.27351.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 from typing import Annotated
@@ -15,40 +17,19 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from deltalens.analysis.options import SPARSIFY_LIMIT, DiffConfig, SparsifyConfig
 from deltalens.errors import DeltalensError
 
 from . import common as c
+from . import options as o
 
-# ---- options of these commands (shared ones come from cli/common.py)
-Labels = Annotated[list[str] | None, typer.Option("--label", help="label per checkpoint (repeat)")]
-Base = Annotated[str, typer.Argument(help="base: HF dir, run dir, .safetensors, .pt, .gguf, tiny, smollm2")]
-Ckpts = Annotated[list[str], typer.Argument(help="fine-tuned checkpoints to compare with the base")]
-CsvOut = Annotated[Path | None, typer.Option("--csv", help="write tensor/layer/group metrics as CSV")]
-Tol = Annotated[float, typer.Option("--tol", help="|Δ| above this counts in frac_above_tol")]
-TopK = Annotated[int, typer.Option("--topk", help="coordinates in the top-|Δ| lists (0 = none)")]
-Strict = Annotated[bool, typer.Option("--strict", help="fail on any name/shape/dtype mismatch")]
-Svd = Annotated[int, typer.Option("--svd", help="top-N singular values + effective rank of 2-D ΔW")]
-Ckpt = Annotated[str, typer.Argument(help="fine-tuned checkpoint (run dir, HF dir, .safetensors, .pt)")]
-BaseOpt = Annotated[str, typer.Option("--base", help="the model it was fine-tuned from (θ0, architecture)")]
-Thresholds = Annotated[str, typer.Option("--thresholds", help="comma-separated τ on |Δ| ('' = none)")]
-Sparsity = Annotated[str, typer.Option("--sparsity", help="comma-separated target sparsities ('' = none)")]
-OutDir = Annotated[Path | None, typer.Option("--out", help="also save each sparsified checkpoint here")]
-Label = Annotated[str | None, typer.Option("--label", help="label of the checkpoint")]
-
-
-def _floats(text: str, what: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise DeltalensError(f"--{what} must be comma-separated numbers like 0.5,0.9, not {text!r}") from None
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise DeltalensError(f"--{what} must be comma-separated integers like 1,16,32, not {text!r}") \
-            from None
+# ---- the positional arguments (the options come from deltalens.analysis.options)
+BASE = inspect.Parameter("base", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[
+    str, typer.Argument(help="base: HF dir, run dir, .safetensors, .pt, .gguf, tiny, smollm2")])
+CKPTS = inspect.Parameter("ckpts", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[
+    list[str], typer.Argument(help="fine-tuned checkpoints to compare with the base")])
+CKPT = inspect.Parameter("ckpt", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[
+    str, typer.Argument(help="fine-tuned checkpoint (run dir, HF dir, .safetensors, .pt)")])
 
 
 def _fmt(x, spec: str = ".3e") -> str:
@@ -114,26 +95,18 @@ def write_csv(doc: dict, path: Path) -> None:
         diff_table(doc).to_csv(tmp, index=False)
 
 
-def diff_cmd(
-    base: Base,
-    ckpts: Ckpts,
-    json_out: c.JsonOut = None,
-    csv_out: CsvOut = None,
-    tol: Tol = 1e-6,
-    topk: TopK = 100,
-    strict: Strict = False,
-    label: Labels = None,
-    svd: Svd = 0,
-    arch: c.Arch = None,
-):
-    """Weight distance of each checkpoint from the base: per group, per layer, whole model, ratios.
+def _diff(kwargs: dict) -> None:
+    run_diff(kwargs["base"], kwargs["ckpts"], o.resolve(DiffConfig, kwargs))
 
-    Bare .pt/.safetensors files need no architecture here; --arch lends them its config.json (whether
-    embedding and lm_head are tied), so the same --arch works in every command."""
+
+def run_diff(base: str, ckpts: list[str], cfg: DiffConfig) -> None:
+    """Weight distance of each checkpoint from the base (the command's work): tables, then JSON/CSV."""
     from deltalens.analysis.delta import diff_analysis
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
 
+    tol, topk, svd, arch = cfg.tol, cfg.topk, cfg.svd, cfg.arch
+    json_out, csv_out = _path(cfg.json), _path(cfg.csv)
     if not (math.isfinite(tol) and tol >= 0) or topk < 0 or svd < 0:
         raise DeltalensError(f"--tol must be a finite number >= 0 and --topk, --svd >= 0 (got --tol {tol}, "
                              f"--topk {topk}, --svd {svd})")
@@ -141,7 +114,8 @@ def diff_cmd(
 
     arch = check_arch(arch)
     check_outputs([Output(json_out, "--json"), Output(csv_out, "--csv")], models=[base, *ckpts, arch])
-    doc = diff_analysis(base, ckpts, label, tol=tol, topk=topk, strict=strict, svd=svd, progress=True, arch=arch)
+    doc = diff_analysis(base, ckpts, list(cfg.label) or None, tol=tol, topk=topk, strict=cfg.strict, svd=svd,
+                        progress=True, arch=arch)
     print_diff(doc)
     if json_out is not None:
         write_json_atomic(doc, json_out)
@@ -151,7 +125,15 @@ def diff_cmd(
         c.console.print(f"wrote {csv_out}", markup=False)
 
 
-SPARSIFY_LIMIT = 100  # default test problems: a sweep of 6 evaluations x 100 x 32 fits minutes on tiny (README)
+diff_cmd = o.command("diff", """Weight distance of each checkpoint from the base: per group, per layer, whole model, ratios.
+
+    Bare .pt/.safetensors files need no architecture here; --arch lends them its config.json (whether
+    embedding and lm_head are tied), so the same --arch works in every command.""",
+                     [BASE, CKPTS, *o.config_params(DiffConfig), o.config_file_param("diff")], _diff)
+
+
+def _path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
 
 
 def print_sparsify(doc: dict, task: str) -> None:
@@ -190,43 +172,29 @@ def sparsify_warnings(lbl: str, s: dict) -> None:
         c.console.print(f"[yellow]warning:[/] {c.escape(w)}", highlight=False)
 
 
-def sparsify_cmd(
-    ckpt: Ckpt,
-    base: BaseOpt = "tiny",
-    arch: c.Arch = None,
-    thresholds: Thresholds = "2.5e-4,5e-4",
-    sparsity: Sparsity = "0.5,0.9",
-    task: c.Task = None,
-    samples: c.Samples = 32,
-    k: c.Ks = "1,16,32",
-    temperature: c.Temperature = 0.6,
-    limit: Annotated[int | None, typer.Option(
-        "--limit", help=f"evaluate the first N test problems (default {SPARSIFY_LIMIT}: the defaults are 6 "
-                        "evaluations x 100 problems x 32 samples, 70 s on tiny on 2 CPU cores; the cost is "
-                        "printed before starting)")] = SPARSIFY_LIMIT,
-    seed: c.Seed = 0,
-    out: OutDir = None,
-    json_out: c.JsonOut = None,
-    label: Label = None,
-    chat_template: c.ChatTemplate = "auto",
-    backend: Annotated[str, typer.Option("--backend", help="backend of the re-evaluations: hf (one model in "
-                                         "memory), or vllm (one engine of the base, each state dict loaded "
-                                         "into it; docs/vllm.md)")] = "hf",
-):
-    """Reset small weight changes (0 < |Δ| <= τ) to the base and measure how much Pass@K gain survives.
+def _sparsify(kwargs: dict) -> None:
+    run_sparsify(kwargs["ckpt"], o.resolve(SparsifyConfig, kwargs))
 
-    A bare .pt/.safetensors base takes its architecture from --arch; every state dict is evaluated on it."""
+
+def run_sparsify(ckpt: str, cfg: SparsifyConfig) -> None:
+    """Reset small weight changes to the base and re-evaluate (the command's work): table, then JSON."""
     from deltalens.analysis.sparsify import check_points, sparsify_analysis
     from deltalens.evaluation.cost import plan_line
     from deltalens.evaluation.options import check_eval_options
+    from deltalens.evaluation.passk import parse_ks
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
     from deltalens.io.spec import architecture, check_arch, default_label
     from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
-    taus, targets, ks = _floats(thresholds, "thresholds"), _floats(sparsity, "sparsity"), _ints(k, "k")
-    task = task or default_task(base)
+    base, arch, samples, temperature, limit, seed = cfg.base, cfg.arch, cfg.samples, cfg.temperature, cfg.limit, cfg.seed
+    label, chat_template, backend, compute_dtype = cfg.label, cfg.chat_template, cfg.backend, cfg.compute_dtype
+    out, json_out = _path(cfg.out), _path(cfg.json)
+    taus = c.parse_floats(cfg.thresholds, "--thresholds", empty=True)
+    targets = c.parse_floats(cfg.sparsity, "--sparsity", empty=True)
+    ks = parse_ks(cfg.k)
+    task = cfg.task or default_task(base)
     check_points(taus, targets)
     check_eval_options(samples=samples, ks=ks, temperature=temperature, limit=limit)
     problems_of = get_task(task)  # built once; an unknown task is refused now, not after loading both checkpoints
@@ -262,7 +230,8 @@ def sparsify_cmd(
             engine.append(backend_for_spec("vllm", model_arch, chat_template=chat_template)[0])
         return evaluate_state_dict(model_arch, state_dict, problems_of, samples=samples, ks=ks,
                                    temperature=temperature, limit=limit, seed=seed, chat_template=chat_template,
-                                   model_cache=None if engine else cache, backend=engine[0] if engine else None)
+                                   model_cache=None if engine else cache, backend=engine[0] if engine else None,
+                                   compute_dtype=compute_dtype)
 
     try:
         doc = sparsify_analysis(base, ckpt, taus, evaluate, sparsities=targets, label=label, task=task,
@@ -278,5 +247,12 @@ def sparsify_cmd(
         c.console.print(f"wrote {json_out}", markup=False)
 
 
+sparsify_cmd = o.command("sparsify", """Reset small weight changes (0 < |Δ| <= τ) to the base and measure how much Pass@K gain survives.
+
+    A bare .pt/.safetensors base takes its architecture from --arch; every state dict is evaluated on it.""",
+                         [CKPT, *o.config_params(SparsifyConfig), o.config_file_param("sparsify")], _sparsify)
+
 diff = diff_cmd
 sparsify = sparsify_cmd
+__all__ = ["SPARSIFY_LIMIT", "diff", "diff_cmd", "print_diff", "print_sparsify", "sparsify", "sparsify_cmd",
+           "sparsify_warnings", "write_csv"]

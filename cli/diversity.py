@@ -7,44 +7,30 @@
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
+from deltalens.analysis.options import DiversityConfig
+
 from . import common as c
+from . import options as o
+
+MODEL = inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[
+    str, typer.Argument(help="model (tiny, HF dir, checkpoint) or an ES run directory")])
 
 
-def diversity(
-    model: Annotated[str, typer.Argument(help="model (tiny, HF dir, checkpoint) or an ES run directory")],
-    task: c.Task = None,
-    members: Annotated[int | None, typer.Option(
-        "--members", "-N", help="population size N (default: the run's with --iteration, else 32)")] = None,
-    sigma: Annotated[float | None, typer.Option(
-        "--sigma", help="noise scale σ (default: the run's with --iteration, else 1.5e-3; 0 = N copies)")] = None,
-    iteration: Annotated[int | None, typer.Option(
-        "--iteration", help="ES run: centre after this many iterations, members = the run's next population")
-    ] = None,
-    prompts: Annotated[int, typer.Option("--prompts", "-p", help="held-out prompts (first P test problems)")] = 16,
-    samples: Annotated[int, typer.Option("--samples", "-n", help="samples per member and prompt (M)")] = 4,
-    temperature: c.Temperature = 0.6,
-    sweep: Annotated[str | None, typer.Option(
-        "--sweep", help="comma-separated σ values: also measure JS vs the small-σ law (same noise)")] = None,
-    fisher_samples: Annotated[int, typer.Option(
-        "--fisher-samples", help="samples per prompt for the Fisher trace (with --sweep)")] = 32,
-    max_new_tokens: c.MaxNewTokens = None,
-    seed: c.Seed = 0,
-    label: Annotated[str | None, typer.Option("--label", help="label of the model in the JSON")] = None,
-    data: c.Data = None,
-    question_field: c.QuestionField = "question",
-    answer_field: c.AnswerField = "answer",
-    dtype: Annotated[str | None, typer.Option("--dtype", help="fp32, bf16, fp16 (default: the run's, else fp32)")
-                     ] = None,
-    arch: c.Arch = None,
-    json_out: c.JsonOut = None,
-    chat_template: c.ChatTemplate = "auto",
-):
-    """Population diversity: JS across members (± standard error), JS of success, coverage vs centre."""
+def _diversity(kwargs: dict) -> None:
+    # --compute-dtype: the population's sampling (deltalens.analysis.diversity) takes none yet
+    cfg = o.resolve(DiversityConfig, kwargs, unsupported={"compute_dtype": "its population samples in fp32"})
+    run_diversity(kwargs["model"], cfg)
+
+
+def run_diversity(model: str, cfg: DiversityConfig) -> None:
+    """Population diversity of MODEL (the command's work): the summary table, the σ sweep's, then JSON."""
     from deltalens.analysis.diversity import diversity_analysis
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
@@ -52,6 +38,12 @@ def diversity(
     from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
+    task, members, sigma, iteration, prompts, samples = (cfg.task, cfg.members, cfg.sigma, cfg.iteration,
+                                                         cfg.prompts, cfg.samples)
+    temperature, sweep, fisher_samples, max_new_tokens, seed = (cfg.temperature, cfg.sweep, cfg.fisher_samples,
+                                                                cfg.max_new_tokens, cfg.seed)
+    data, question_field, answer_field, arch = cfg.data, cfg.question_field, cfg.answer_field, cfg.arch
+    json_out = None if cfg.json is None else Path(cfg.json)
     sigmas = c.parse_floats(sweep, "--sweep") if sweep else None
     _check_options(members=members, sigma=sigma, iteration=iteration, prompts=prompts, samples=samples,
                    temperature=temperature, sweep=sigmas, fisher_samples=fisher_samples,
@@ -72,10 +64,10 @@ def diversity(
                 tid.append(bar.add_task(stage, total=total))
             bar.update(tid[0], completed=done, total=total, description=stage)
 
-        doc = diversity_analysis(model, t, label=label, members=members, sigma=sigma, iteration=iteration,
+        doc = diversity_analysis(model, t, label=cfg.label, members=members, sigma=sigma, iteration=iteration,
                                  prompts=prompts, samples=samples, temperature=temperature, seed=seed,
                                  sweep=sigmas, fisher_samples=fisher_samples, max_new_tokens=max_new_tokens,
-                                 dtype=dtype, config=config, progress=progress, chat_template=chat_template)
+                                 dtype=cfg.dtype, config=config, progress=progress, chat_template=cfg.chat_template)
     lbl, d = next(iter(doc["diversity"].items()))
     c.out.print(_summary(lbl, d))
     if d.get("sigma_sweep"):
@@ -85,6 +77,11 @@ def diversity(
     if json_out is not None:
         write_json_atomic(doc, json_out)
         c.console.print(f"wrote {json_out}", markup=False)
+
+
+diversity = o.command("diversity", "Population diversity: JS across members (± standard error), JS of success, "
+                      "coverage vs centre.",
+                      [MODEL, *o.config_params(DiversityConfig), o.config_file_param("diversity")], _diversity)
 
 
 def _plan_line(model: str, task, *, members, iteration, prompts: int, samples: int, sweep, max_new_tokens) -> str:

@@ -10,49 +10,29 @@ once the first model has loaded and before it generates, then progress. Each Pas
 from __future__ import annotations
 
 import contextlib
+import inspect
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
+from deltalens.evaluation.options import EvalConfig
+
 from . import common as c
+from . import options as o
+
+MODELS = inspect.Parameter("models", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[
+    list[str], typer.Argument(help="models: tiny, smollm2, HF dir, run dir, hub id, .gguf, .pt, .safetensors")])
 
 
-def eval_cmd(
-    models: Annotated[list[str], typer.Argument(help="models: tiny, smollm2, HF dir, run dir, hub id, .gguf, .pt, .safetensors")],
-    task: c.Task = None,
-    samples: c.Samples = 32,
-    k: c.Ks = "1,16,32",
-    temperature: c.Temperature = 0.6,
-    limit: c.Limit = None,
-    json_out: c.JsonOut = None,
-    label: Annotated[list[str] | None, typer.Option("--label", help="label per model (repeat)")] = None,
-    data: c.Data = None,
-    question_field: c.QuestionField = "question",
-    answer_field: c.AnswerField = "answer",
-    config: c.Arch = None,
-    dtype: c.Dtype = "fp32",
-    compute_dtype: Annotated[str, typer.Option("--compute-dtype", help=(
-        "what the HF backend generates in: fp32; bf16 (a bf16 copy of fp32 weights); auto (bf16 on a CPU with "
-        "AMX-BF16 or a GPU with bf16 for models of hidden size >= 512, measured 1.5-2x faster on CPU; else "
-        "fp32); --dtype bf16/fp16 weights generate as they are"))] = "auto",
-    max_new_tokens: c.MaxNewTokens = None,
-    seed: c.Seed = 0,
-    backend: c.Backend = "hf",
-    chat_template: c.ChatTemplate = "auto",
-    split: Annotated[str | None, typer.Option("--split", help="problems to use: test (reports) or validation "
-                                              "(tuning) [default: test]")] = None,
-    trained_on: Annotated[str | None, typer.Option("--trained-on", help="score the problems this run directory "
-                                                   "trained on (every iteration's prompts, up to its weights) "
-                                                   "instead of a split, with the run's task")] = None,
-    device: c.Device = "auto",
-    log_samples: Annotated[Path | None, typer.Option("--log-samples", help="write every completion as JSONL: "
-                                                     "one line per model x problem x sample (prompt, answer, "
-                                                     "completion, reward, correct)")] = None,
-):
-    """Evaluate Pass@K (with its standard error over problems) and Maj@K (unbiased estimator, n samples per
-    problem); the table goes to stdout, logs and progress to stderr."""
+def _eval(kwargs: dict) -> None:
+    cfg = o.resolve(EvalConfig, kwargs)
+    run_eval(kwargs["models"], cfg)
+
+
+def run_eval(models: list[str], cfg: EvalConfig) -> None:
+    """The command's work on its resolved options: checks, plan line, evaluation, table, outputs."""
     from deltalens.evaluation import evaluate_models
     from deltalens.evaluation.cost import plan_line
     from deltalens.evaluation.options import check_eval_options
@@ -65,6 +45,13 @@ def eval_cmd(
     from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
+    task, samples, k, temperature, limit = cfg.task, cfg.samples, cfg.k, cfg.temperature, cfg.limit
+    data, question_field, answer_field, config = cfg.data, cfg.question_field, cfg.answer_field, cfg.arch
+    dtype, compute_dtype, max_new_tokens, seed, backend = (cfg.dtype, cfg.compute_dtype, cfg.max_new_tokens,
+                                                           cfg.seed, cfg.backend)
+    chat_template, split, trained_on, device = cfg.chat_template, cfg.split, cfg.trained_on, cfg.device
+    json_out, log_samples = _path(cfg.json), _path(cfg.log_samples)
+    label = list(cfg.label) or None
     check_eval_options(samples=samples, temperature=temperature, limit=limit, max_new_tokens=max_new_tokens)
     ks, note = fit_ks(parse_ks(k), samples)
     check_outputs([Output(json_out, "--json"), Output(log_samples, "--log-samples")], models=[*models, config],
@@ -128,6 +115,15 @@ def eval_cmd(
     if json_out is not None:
         write_json_atomic(result, json_out)
         c.console.print(f"wrote {json_out}", markup=False)
+
+
+def _path(value: str | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+eval_cmd = o.command("eval", "Evaluate Pass@K (with its standard error over problems) and Maj@K (unbiased estimator, "
+                     "n samples per problem); the table goes to stdout, logs and progress to stderr.",
+                     [MODELS, *o.config_params(EvalConfig), o.config_file_param("eval")], _eval)
 
 
 def _se(se: float | None) -> str:

@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from deltalens.analysis.options import REPORT_LIMIT, ReportConfig
+
 from . import common as c
+from . import options as o
 from .diff import sparsify_warnings
+
+__all__ = ["REPORT_LIMIT", "render", "report"]
 
 
 def render(
@@ -29,42 +35,20 @@ def render(
     typer.echo(str(path))
 
 
-REPORT_LIMIT = 100  # default test problems of a report's evaluations (minutes on tiny; README)
+BASE = inspect.Parameter("base", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[
+    str, typer.Argument(help="the base model (any form `deltalens eval` takes)")])
+MODELS = inspect.Parameter("models", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[
+    list[str], typer.Argument(help="models to compare against the base: checkpoints or run dirs")])
 
 
-def report(
-    base: Annotated[str, typer.Argument(help="the base model (any form `deltalens eval` takes)")],
-    models: Annotated[list[str], typer.Argument(help="models to compare against the base: checkpoints or run dirs")],
-    output: Annotated[Path | None, typer.Option(
-        "-o", "--output",
-        help="directory of the report: report.html, analysis.json and cache/ (default ./deltalens-report)")] = None,
-    label: Annotated[list[str] | None, typer.Option("--label", help="label per model (repeat; default: file stems)")] = None,
-    task: Annotated[str | None, typer.Option("--task", "-t", help="evaluate Pass@K curves on this task")] = None,
-    data: Annotated[str | None, typer.Option("--data", help="jsonl file or dir (gsm8k, jsonl tasks)")] = None,
-    samples: Annotated[int, typer.Option("--samples", "-n", help="samples per problem")] = 32,
-    k: Annotated[str, typer.Option("--k", help="K values for the summary table")] = "1,16,32",
-    temperature: Annotated[float, typer.Option("--temperature", help="sampling temperature")] = 0.6,
-    limit: Annotated[int, typer.Option(
-        "--limit", help=f"first N test problems of every evaluation (default {REPORT_LIMIT}: base + 2 models x "
-                        "100 problems x 32 samples with 2 thresholds took 52 s on tiny on 2 CPU cores; the cost "
-                        "is printed before starting)")] = REPORT_LIMIT,
-    thresholds: Annotated[str | None, typer.Option(
-        "--thresholds", "--sparsify", help="sparsify at these thresholds τ on |Δ|, e.g. 2.5e-4,5e-4 (as in "
-                                           "`deltalens sparsify`; --sparsify: the old name)")] = None,
-    sparsity: Annotated[str | None, typer.Option("--sparsity", help="target sparsities, e.g. 0.5,0.9,0.99")] = None,
-    diversity: Annotated[bool, typer.Option("--diversity", help="population JS and coverage (ES runs)")] = False,
-    held_out: Annotated[str | None, typer.Option("--held-out", help="held-out tasks, e.g. arith-long,arith-big")] = None,
-    arch: c.Arch = None,
-    seed: Annotated[int, typer.Option("--seed", min=0, help="evaluation seed (>= 0)")] = 0,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="recompute everything")] = False,
-    chat_template: c.ChatTemplate = "auto",
-) -> None:
-    """Analyse BASE vs MODELS (diff, optional Pass@K, sparsification, diversity) into one HTML report.
+def _report(kwargs: dict) -> None:
+    # --compute-dtype: build_analysis does not take one yet (its evaluations generate in fp32)
+    cfg = o.resolve(ReportConfig, kwargs, unsupported={"compute_dtype": "its evaluations generate in fp32"})
+    run_report(kwargs["base"], kwargs["models"], cfg)
 
-    Writes DIR/report.html, DIR/analysis.json (`deltalens render` re-renders it without recomputing) and
-    DIR/cache/ (results by content hash, so a rerun recomputes only what changed); DIR is -o, default
-    ./deltalens-report. Bare .pt/.safetensors inputs, the base included, take their architecture from --arch.
-    """
+
+def run_report(base: str, models: list[str], cfg: ReportConfig) -> None:
+    """Analyse BASE vs MODELS into DIR/report.html, DIR/analysis.json and DIR/cache/ (the command's work)."""
     from deltalens.reports import render_report
 
     from deltalens.analysis.report import DEFAULT_REPORT_DIR, build_analysis, report_paths
@@ -72,24 +56,35 @@ def report(
     from deltalens.io.outputs import Output, check_outputs
     from deltalens.io.spec import check_arch
 
+    output = None if cfg.output is None else Path(cfg.output)
+    arch, task, data, thresholds, sparsity, held_out = (cfg.arch, cfg.task, cfg.data, cfg.thresholds, cfg.sparsity,
+                                                        cfg.held_out)
     arch = check_arch(arch)
     # the guard first: an -o that names an input (its state.json, a weight file) is refused as that
     check_outputs([Output(output or DEFAULT_REPORT_DIR, "-o", directory=True)], models=[base, *models, arch],
                   files=[data])
     paths = report_paths(output)
-    floats = [] if not thresholds else c.parse_floats(thresholds, "--thresholds")
-    targets = [] if not sparsity else c.parse_floats(sparsity, "--sparsity")
+    floats = [] if thresholds is None else c.parse_floats(thresholds, "--thresholds", empty=True)
+    targets = [] if sparsity is None else c.parse_floats(sparsity, "--sparsity", empty=True)
     with c.progress_bar() as bar:
         factory = c.bar_factory(bar)
-        doc = build_analysis(base, models, labels=label, task=task, data=data, samples=samples, ks=k,
-                             temperature=temperature, limit=limit, seed=seed, sparsify=floats,
-                             sparsity_targets=targets, diversity=diversity,
+        doc = build_analysis(base, models, labels=list(cfg.label) or None, task=task, data=data, samples=cfg.samples,
+                             ks=cfg.k, temperature=cfg.temperature, limit=cfg.limit, seed=cfg.seed, sparsify=floats,
+                             sparsity_targets=targets, diversity=cfg.diversity,
                              held_out=[h for h in (held_out or "").split(",") if h], arch=arch,
-                             cache_dir=None if no_cache else paths["cache"],
+                             cache_dir=None if cfg.no_cache else paths["cache"],
                              log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"), progress_factory=factory,
-                             chat_template=chat_template)
+                             chat_template=cfg.chat_template)
     for lbl, s in doc.get("sparsify", {}).items():
         sparsify_warnings(lbl, s)
     write_json_atomic(doc, paths["analysis"])
     render_report(doc, paths["html"])
     c.console.print(f"wrote {paths['html']} (analysis: {paths['analysis']})", markup=False)
+
+
+report = o.command("report", """Analyse BASE vs MODELS (diff, optional Pass@K, sparsification, diversity) into one HTML report.
+
+    Writes DIR/report.html, DIR/analysis.json (`deltalens render` re-renders it without recomputing) and
+    DIR/cache/ (results by content hash, so a rerun recomputes only what changed); DIR is -o, default
+    ./deltalens-report. Bare .pt/.safetensors inputs, the base included, take their architecture from --arch.
+    """, [BASE, MODELS, *o.config_params(ReportConfig), o.config_file_param("report")], _report)

@@ -9,6 +9,10 @@ help line, and optionally
     needs       (other field, allowed values): the option means something only when that field has
                 one of those values; given explicitly otherwise, it is refused (never silently ignored)
     cli         False keeps a field off the command line (set by a chain, for example)
+    min         the least value of a number (the command line and YAML refuse a smaller one)
+    repeat      a tuple of strings given by repeating the option (`--label a --label b`), not by commas
+
+A boolean field is a `--name/--no-name` switch; with `flags`, those names alone (`--no-cache`).
 
 From the fields, everything else is derived:
 
@@ -63,11 +67,13 @@ def is_run_config(d: Any) -> bool:
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (),
            trajectory: bool = False, needs: tuple[str, Any] | None = None, cli: bool = True,
+           min: float | None = None, repeat: bool = False,
            default_factory: Any = dataclasses.MISSING) -> Any:
     """A config field with its help line and CLI/resume metadata (see module docstring)."""
     if not help:
         raise ValueError("every option needs a help line")
-    meta = {"help": help, "flags": tuple(flags), "trajectory": trajectory, "needs": needs, "cli": cli}
+    meta = {"help": help, "flags": tuple(flags), "trajectory": trajectory, "needs": needs, "cli": cli, "min": min,
+            "repeat": repeat}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -193,7 +199,12 @@ class Config:
             raise DeltalensError(f"{source}: unknown {cls.NAME} option(s) {shown}; "
                                  f"known: {', '.join(sorted(names))}")
         types = cls.types()
-        return {k: coerce(v, types[k], k, source) for k, v in d.items()}
+        out = {k: coerce(v, types[k], k, source) for k, v in d.items()}
+        for k, v in out.items():
+            least = cls.field(k).metadata.get("min")
+            if least is not None and v is not None and v < least:
+                raise DeltalensError(f"{source}: {k} must be >= {least} (got {brief(v)})")
+        return out
 
     # ---- presets and the three sources
     @classmethod

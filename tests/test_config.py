@@ -52,3 +52,16 @@ def test_resolve_precedence():
     del stored["method"]
     grown = ESConfig.resolve(stored=stored, given={"iterations": 150})  # an explicit count replaces the budget
     assert (grown.iterations, grown.budget) == (150, None)
+
+
+def test_a_least_value_is_refused_from_every_source():
+    """`option(min=...)`: a YAML value or a command-line value below it is refused in one line (typer checks
+    the flag too); the command line still overrides the file."""
+    from deltalens.evaluation.options import EvalConfig
+
+    with pytest.raises(DeltalensError, match=r"^the config file: seed must be >= 0 \(got -1\)$"):
+        EvalConfig.resolve(yaml={"seed": -1})
+    with pytest.raises(DeltalensError, match="command line: seed must be >= 0"):
+        EvalConfig.resolve(given={"seed": -2})
+    assert EvalConfig.resolve(yaml={"seed": 2, "label": ["a,b", "c"]}, given={"seed": 3}) == \
+        EvalConfig(seed=3, label=("a,b", "c"))

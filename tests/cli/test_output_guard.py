@@ -281,8 +281,8 @@ def test_probe_json_never_overwrites_its_inputs(inputs):
     (["--temperature", "-1"], "error: --temperature must be a finite number >= 0 (got -1.0); 0 is greedy"),
     (["--temperature", "nan"], "error: --temperature must be a finite number >= 0 (got nan); 0 is greedy"),
     (["--max-new-tokens", "0"], "error: --max-new-tokens must be >= 1 (got 0)"),
-    (["--seed", "-1"], "error: Invalid value for '--seed': Input should be greater than or equal to 0 "
-                       "(see `deltalens probe --help`)"),
+    (["--seed", "-1"], ("error: Invalid value for '--seed': Input should be greater than or equal to 0 "
+                        "(see `deltalens probe --help`)")),
     (["--chat-template", "maybe"], "error: --chat-template must be auto, on or off (got 'maybe')"),
     (["--backend", "nope"], "error: unknown backend 'nope'; choose one of hf, vllm"),
     (["--es-populations", "-1"], "error: --es-populations must be >= 0 (got -1); 0 skips ES"),

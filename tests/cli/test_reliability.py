@@ -89,7 +89,7 @@ def test_outputs_that_are_inputs_are_refused(ckpt, model_dir, tmp_path):
     refused(["diversity", D, "--json", f"{D}/model.safetensors"], match="inside the input", inputs=[model_dir])
     refused(["report", D, X, "-o", f"{D}/config.html"], match="lies inside the input model",
             inputs=[model_dir, ckpt])
-    refused(["eval", X, "--config", D, "--json", f"{D}/tokenizer.json"], match="inside the input model",
+    refused(["eval", X, "--arch", D, "--json", f"{D}/tokenizer.json"], match="inside the input model",
             inputs=[model_dir, ckpt])
     refused(["eval", "tiny", "--json", str(MODEL_DIR / "x.json")], match="inside the input model",
             inputs=[MODEL_DIR])
@@ -172,7 +172,7 @@ def test_lying_safetensors_are_refused_by_every_command(ckpt, tmp_path):
         line = refused(["diff", "tiny", bad], match=str(bad), inputs=[bad])
         assert name == "shift" or first in line
     bad = tmp_path / "negative.safetensors"
-    refused(["eval", bad, "--config", "tiny", "--limit", "1", "-n", "1", "--k", "1"], match=first, inputs=[bad])
+    refused(["eval", bad, "--arch", "tiny", "--limit", "1", "-n", "1", "--k", "1"], match=first, inputs=[bad])
 
 
 # ------------------------------------------------------------------ 3. non-finite weights
@@ -186,10 +186,10 @@ def test_nonfinite_weights_are_named_and_refused_but_diff_works(ckpt, tmp_path):
     sd[name].view(-1)[0] = float("nan")
     bad = save_state_dict(sd, tmp_path / "nan.safetensors")
     fast = ["--limit", "1", "-n", "1", "--k", "1"]
-    refused(["eval", bad, "--config", "tiny", *fast], match=f"non-finite weights (NaN/Inf) in {name}", inputs=[bad])
+    refused(["eval", bad, "--arch", "tiny", *fast], match=f"non-finite weights (NaN/Inf) in {name}", inputs=[bad])
     refused(["sparsify", bad, "--base", "tiny", *fast], match=name, inputs=[bad])
     torch.save(sd, tmp_path / "nan.pt")
-    refused(["eval", tmp_path / "nan.pt", "--config", "tiny", *fast], match=name, inputs=[tmp_path / "nan.pt"])
+    refused(["eval", tmp_path / "nan.pt", "--arch", "tiny", *fast], match=name, inputs=[tmp_path / "nan.pt"])
     r = run_cli(["diff", "tiny", bad])
     assert r.exit_code == 0 and "NaN/Inf" in r.output
 
@@ -325,7 +325,9 @@ def test_diversity_messages_name_its_own_options(ckpt, tmp_path):
     line = refused(["diversity", ckpt, "--prompts", "1", "--samples", "1"], match="pass --arch", inputs=[ckpt])
     assert "--arch" in run_cli(["diversity", "--help"]).output
     refused(["diversity", "tiny", "--members", "1"], match="--members must be >= 2")
-    r = run_cli(["diversity", ckpt, "--config", "tiny", "--members", "2", "--prompts", "1", "--samples", "1",
+    # --config was an old name of --arch; it is now a YAML file of options, and an architecture there is refused
+    refused(["diversity", ckpt, "--config", "tiny"], match="use --arch for an architecture", inputs=[ckpt])
+    r = run_cli(["diversity", ckpt, "--arch", "tiny", "--members", "2", "--prompts", "1", "--samples", "1",
                  "--max-new-tokens", "4", "--json", tmp_path / "d.json"])
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "d.json").read_text())["diversity"]
