@@ -7,7 +7,7 @@
 
 Prints one JSON document: the settings, tr I_x (mean over prompts ± se, from per-sample backward passes
 at the centre), and per σ: js_measured ± se (the direct estimator), js_mi ± se (posterior-entropy
-estimator, same log-prob table), js_pred (the law with E over ε), js_pred_draw (the law on the ε
+estimator, the one analysis.json and the report show; same log-prob table), js_pred (the law with E over ε), js_pred_draw (the law on the ε
 actually drawn), ratio = js / js_pred, and seconds. Ratios flat in σ show the σ² scaling; their level
 shows the coefficient. Because ||∇ log π(y)||² is heavy-tailed (rare responses carry much of tr I),
 independent estimates of JS and tr I scatter more than their standard errors say; the paired ratios
@@ -67,11 +67,11 @@ def main(argv=None) -> dict:
         "fisher_trace": round(first["fisher_trace"], 1), "fisher_trace_se": round(first["fisher_trace_se"], 1),
         "sweep": [{
             "sigma": r["sigma"],
-            "js_measured": f"{r['js_mean']:.4g} ± {r['js_se']:.2g}",
+            "js_measured": f"{r['js_direct_mean']:.4g} ± {r['js_direct_se']:.2g}",
             "js_mi": f"{r['js_mi_mean']:.4g} ± {r['js_mi_se']:.2g}",
             "js_pred": f"{r['js_pred']:.4g} ± {r['js_pred_se']:.2g}",
             "js_pred_draw": None if r["js_pred_draw"] is None else float(f"{r['js_pred_draw']:.4g}"),
-            "ratio": round(r["ratio"], 3), "ratio_mi": round(r["ratio_mi"], 3),
+            "ratio": round(r["ratio_direct"], 3), "ratio_mi": round(r["ratio_mi"], 3),
             "ratio_mi_draw": None if not r["js_pred_draw"] else round(r["js_mi_mean"] / r["js_pred_draw"], 3),
             "js_is": f"{r['js_is']:.4g} ± {r['js_is_se']:.2g}",
             "ratio_paired": f"{r['ratio_paired']:.3f} ± {r['ratio_paired_se']:.2g}",

@@ -144,8 +144,8 @@ def _summary(label: str, d: dict) -> Table:
     b = d["coverage_bound"]
     bound = f"{_f(b['lhs'], '.3f')} ≥ {_f(b['rhs'], '.3f')}: {'holds' if b['holds'] else 'VIOLATED'}"
     rows = [
-        ("JS across members (nats)", f"{_f(d['js_mean'])} ± {_f(d['js_se'], '.2g')}"),
-        ("JS, posterior-entropy estimator", f"{_f(d['js_mi_mean'])} ± {_f(d['js_mi_se'], '.2g')}"),
+        ("JS across members, posterior estimator (nats)", f"{_f(d['js_mean'])} ± {_f(d['js_se'], '.2g')}"),
+        ("JS, direct estimator (cross-check)", f"{_f(d['js_direct_mean'])} ± {_f(d['js_direct_se'], '.2g')}"),
         ("JS maximum, log N", _f(d["js_max"])),
         ("JS of success (verifier)", _f(d["js_succ_mean"])),
         ("success rate: members / centre", f"{_f(d['p_members_mean'], '.3f')} / {_f(d['p_centre_mean'], '.3f')}"),
@@ -164,13 +164,13 @@ def _summary(label: str, d: dict) -> Table:
 def _sweep_table(rows: list[dict]) -> Table:
     table = Table(title=f"small-σ law: JS ≈ (σ²/2)(1-1/N) tr I, tr I = {rows[0]['fisher_trace']:.4g} ± "
                         f"{rows[0]['fisher_trace_se']:.2g}")
-    for col in ("σ", "JS", "JS (posterior)", "predicted", "on drawn ε", "ratio", "ratio (posterior)",
+    for col in ("σ", "JS (posterior)", "JS (direct)", "predicted", "on drawn ε", "ratio", "ratio (direct)",
                 "paired, drawn ε"):
         table.add_column(col, justify="right")
     for r in rows:
         paired = "—" if r["ratio_paired_draw"] is None else \
             f"{r['ratio_paired_draw']:.3f} ± {r['ratio_paired_draw_se']:.2g}"
         table.add_row(f"{r['sigma']:g}", f"{r['js_mean']:.4g} ± {r['js_se']:.2g}",
-                      f"{r['js_mi_mean']:.4g} ± {r['js_mi_se']:.2g}", f"{r['js_pred']:.4g}",
-                      _f(r["js_pred_draw"]), _f(r["ratio"], ".3f"), _f(r["ratio_mi"], ".3f"), paired)
+                      f"{r['js_direct_mean']:.4g} ± {r['js_direct_se']:.2g}", f"{r['js_pred']:.4g}",
+                      _f(r["js_pred_draw"]), _f(r["ratio"], ".3f"), _f(r["ratio_direct"], ".3f"), paired)
     return table

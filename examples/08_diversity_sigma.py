@@ -5,7 +5,7 @@
 
 For each σ: an ES population of N members θ + σ ε_i around the base model (fresh noise, seed), each
 sampling `samples` responses per test prompt at T=0.6 (deltalens.analysis.diversity.diversity_section):
-JS between the members' response distributions (js_mean ± se, of log N max), JS of the success
+JS between the members' response distributions (js_mean ± se, the posterior estimator, of log N max), JS of the success
 indicator (js_succ), the population's coverage (Pass@N with one sample per member) vs the centre's
 Pass@N, and the members' mean success p. The paper argues that a wider population covers more.
 Writes <out>/08_diversity_sigma.json.

@@ -28,7 +28,16 @@ from .common import (
     rgba,
     sort_ks,
 )
-from .metrics import GAIN_THRESHOLD, gain_curve, layer_grid, mean_band, passk_interval, sparsity_keeping_gain
+from .metrics import (
+    GAIN_THRESHOLD,
+    gain_curve,
+    js_shown,
+    layer_grid,
+    mean_band,
+    passk_interval,
+    sparsity_keeping_gain,
+    study_base_evaluations,
+)
 
 FONT = ('-apple-system, BlinkMacSystemFont, "Segoe UI", Roboto, "Helvetica Neue", Arial, "Noto Sans", '
         'sans-serif')
@@ -132,6 +141,16 @@ def fig_passk(ctx: Context) -> Figure | None:
     base_key = ctx.base_key(evals)
     curves = {key: _eval_curve(evals[key]) for key in [base_key, *ctx.models]
               if key is not None and isinstance(evals.get(key), dict)}
+    # a study's base is its one base definition (study.base: the mean over its sampling seeds), as in the
+    # summary and the verdicts; its band is over the per-problem counts of every sampling seed
+    study_base = as_dict(as_dict(ctx.analysis.get("study")).get("base"))
+    base_seed_evals = study_base_evaluations(ctx)
+    if base_key in curves and as_list(as_dict(study_base.get("curve")).get("k")):
+        curves[base_key] = _eval_curve(study_base)
+
+    def evals_of(m):
+        return base_seed_evals if m == base_key and base_seed_evals else [evals[m]]
+
     curves = {k: v for k, v in curves.items() if v[0]}
     if not curves:
         return None
@@ -155,7 +174,7 @@ def fig_passk(ctx: Context) -> Figure | None:
             if len(cs) > 1:
                 band, what = (p_lo, p_hi), "min–max over seeds"
             else:
-                iv = passk_interval([evals[m] for m in members], ks)
+                iv = passk_interval([e for m in members for e in evals_of(m)], ks)
                 band, what = (iv if iv else (None, None)), "95% interval over problems"
             if band[0] is not None and any(v is not None for v in band[0]):
                 out += _band(ks, band[0], band[1], color, legendgroup, f"{name} · {what}")
@@ -167,7 +186,7 @@ def fig_passk(ctx: Context) -> Figure | None:
         if visible is True and len(cs) > 1 and requested:
             # the 95% interval over problems of the seed mean, at the requested K, as error bars
             xs = [k for k in requested if k in ks]
-            lo, hi = passk_interval([evals[m] for m in members], xs) or ([], [])
+            lo, hi = passk_interval([e for m in members for e in evals_of(m)], xs) or ([], [])
             ys = [p_mean[ks.index(k)] for k in xs]
             if xs and all(v is not None for v in lo + ys):
                 out.append({"type": "scatter", "mode": "markers", "x": xs, "y": ys, "legendgroup": legendgroup,
@@ -230,7 +249,10 @@ def fig_passk(ctx: Context) -> Figure | None:
                      "unbiased Pass@K).")
     base_seeds = num(as_dict(as_dict(ctx.analysis.get("study")).get("config")).get("base_seeds"))
     if base_key in curves and base_seeds and base_seeds > 1:
-        notes.append(f"The base curve is its evaluation with sampling seed 0 (the analysis keeps that one); the "
+        notes.append(f"The base curve is the mean over the {int(base_seeds)} sampling seeds the study evaluated "
+                     "(its one base: the summary table and the verdicts use the same), its band over every seed's "
+                     "per-problem counts." if study_base else
+                     f"The base curve is its evaluation with sampling seed 0 (the analysis keeps that one); the "
                      f"summary table's base row and its changes use the mean over the {int(base_seeds)} sampling "
                      "seeds the study evaluated, as the verdicts do.")
     return Figure(
@@ -696,13 +718,16 @@ def fig_diversity(ctx: Context) -> Figure | None:
     has_sweep = any(sweeps.values())
     domains = [[0.0, 0.27], [0.365, 0.635], [0.73, 1.0]] if has_sweep else [[0.0, 0.44], [0.56, 1.0]]
     data: list[dict] = []
-    js = [num(div[label].get("js_mean")) for label in labels]
-    js_se = [num(div[label].get("js_se")) for label in labels]
-    data.append({"type": "bar", "name": "JS, all samples", "x": names, "y": js, "legendgroup": "js",
+    # one JS estimator, named (reports.metrics.js_shown: a section's `estimator`, else what it holds)
+    shown = [js_shown(div[label]) for label in labels]
+    js, js_se = [v for v, _, _ in shown], [e for _, e, _ in shown]
+    estimators = list(dict.fromkeys(name for _, _, name in shown))
+    estimator = " / ".join(estimators)
+    data.append({"type": "bar", "name": f"JS ({estimator}), all samples", "x": names, "y": js, "legendgroup": "js",
                  "legendgrouptitle": {"text": "divergence"},
                  "error_y": {"type": "data", "array": [v or 0 for v in js_se], "visible": True, "thickness": 1.5},
-                 "marker": {"color": "#4e79a7"}, "hovertemplate": "%{x}: JS = %{y:.3g} ± %{error_y.array:.2g}"
-                                                                  "<extra></extra>"})
+                 "marker": {"color": "#4e79a7"}, "customdata": [name for _, _, name in shown],
+                 "hovertemplate": "%{x}: JS (%{customdata}) = %{y:.3g} ± %{error_y.array:.2g}<extra></extra>"})
     succ = [num(div[label].get("js_succ_mean")) for label in labels]
     if any(v is not None for v in succ):
         data.append({"type": "bar", "name": "JS, successes only", "x": names, "y": succ, "legendgroup": "js",
@@ -718,7 +743,8 @@ def fig_diversity(ctx: Context) -> Figure | None:
     layout: dict[str, Any] = {
         "height": 420, "barmode": "group", "bargap": 0.3, "hovermode": "closest",
         "xaxis": {"domain": domains[0], "type": "category"},
-        "yaxis": {"title": {"text": "Jensen–Shannon divergence"}, "rangemode": "tozero", "exponentformat": "e"},
+        "yaxis": {"title": {"text": f"Jensen–Shannon divergence, {estimator} (nats)"}, "rangemode": "tozero",
+                  "exponentformat": "e"},
         "xaxis2": {"domain": domains[1], "anchor": "y2", "type": "category"},
         "yaxis2": {"anchor": "x2", "title": {"text": "problems solved"}, "tickformat": ".0%", "range": [0, 1.02]},
         "annotations": [_subplot_title("Divergence between members", *domains[0]),
@@ -726,9 +752,10 @@ def fig_diversity(ctx: Context) -> Figure | None:
         "legend": {**_legend_right(), "groupclick": "toggleitem", "tracegroupgap": 10},
         "margin": {"t": 48},
     }
-    caption = ("Left: mean Jensen–Shannon divergence between the answer distributions of perturbed population "
-               "members (±1 standard error), i.e. how differently the population behaves; middle: the share of "
-               "problems solved by at least one member versus by the unperturbed centre model")
+    caption = ("Left: mean over prompts of the Jensen–Shannon divergence between the response distributions of "
+               f"perturbed population members ({estimator}; ±1 Monte Carlo standard error, prompts fixed), i.e. "
+               "how differently the population behaves; middle: the share of problems solved by at least one "
+               "member versus by the unperturbed centre model")
     if has_sweep:
         first_sweep = next(i for i, label in enumerate(labels) if sweeps[label])
         for i, label in enumerate(labels):
@@ -737,8 +764,9 @@ def fig_diversity(ctx: Context) -> Figure | None:
                 continue
             color, name = ctx.color(label), ptext(label)
             xs = [num(r["sigma"]) for r in rows]
-            data.append({"type": "scatter", "mode": "lines+markers", "x": xs, "y": [num(r.get("js_mean")) for r in rows],
-                         "error_y": {"type": "data", "array": [num(r.get("js_se")) or 0 for r in rows],
+            js_rows = [js_shown(r) for r in rows]
+            data.append({"type": "scatter", "mode": "lines+markers", "x": xs, "y": [v for v, _, _ in js_rows],
+                         "error_y": {"type": "data", "array": [e or 0 for _, e, _ in js_rows],
                                      "visible": True, "thickness": 1.2},
                          "name": name, "legendgroup": f"s{i}",
                          "legendgrouptitle": {"text": "σ sweep"} if i == first_sweep else None,
@@ -758,7 +786,8 @@ def fig_diversity(ctx: Context) -> Figure | None:
         layout.update({
             "xaxis3": {"domain": domains[2], "anchor": "y3", "title": {"text": "σ (perturbation scale)"},
                        "tickformat": "~e", "nticks": 5},
-            "yaxis3": {"anchor": "x3", "title": {"text": "JS divergence"}, "rangemode": "tozero", "exponentformat": "e"},
+            "yaxis3": {"anchor": "x3", "title": {"text": f"JS divergence, {estimator}"}, "rangemode": "tozero",
+                       "exponentformat": "e"},
         })
         layout["annotations"].append(_subplot_title("Divergence vs σ", *domains[2]))
         caption += ("; right: how divergence grows with the perturbation scale σ, measured (±1 s.e.) against "

@@ -90,6 +90,8 @@ def claims_table(study: dict) -> list[str]:
     for cl in claims:
         rows.append([f"**{cl.get('id')}**", f"**{cl.get('title')}**", "", "", "", *[""] * extra, "",
                      f"**{cl.get('verdict')}**"])
+        if cl.get("note"):  # a paper claim the study did not run: the option that runs it
+            rows.append(["", str(cl.get("note")), "", "", "", *[""] * extra, "", ""])
         for c in as_list(cl.get("checks")):
             c = as_dict(c)
             cells = holm_cells(c) if holm else []
@@ -112,7 +114,8 @@ def study_markdown(analysis: dict) -> str:
              f"training seeds {', '.join(map(str, as_list(seeds)))}; budget {fmt_g(cfg.get('budget'))} units per method "
              f"(preset {cfg.get('preset')}); {len(runs)} runs; test problems: "
              f"{cfg.get('limit') or 'the whole test split'}, {cfg.get('samples')} samples at T = "
-             f"{cfg.get('temperature')}; base evaluated with {cfg.get('base_seeds')} sampling seeds; "
+             f"{cfg.get('temperature')}"
+             f"{' (also ' + ', '.join(str(t) for t in as_list(cfg.get('temperatures')) if t != cfg.get('temperature')) + ')' if len(as_list(cfg.get('temperatures'))) > 1 else ''}; base evaluated with {cfg.get('base_seeds')} sampling seeds; "
              f"{cfg.get('resamples')} bootstrap resamples; {fmt_g(study.get('seconds'))} s for this pass."), ""]
     eff = effects_table(study)
     if eff:

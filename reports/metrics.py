@@ -154,6 +154,17 @@ def passk_interval(evs: list[dict], ks: list[float]) -> tuple[list[float | None]
     return lo, hi
 
 
+def study_base_evaluations(ctx) -> list[dict]:
+    """A study's base at its verdict temperature, one evaluation-like {"per_problem": rows} per sampling seed
+    (study.data.evaluations); empty for an analysis without them."""
+    study = as_dict(ctx.analysis.get("study"))
+    data = as_dict(study.get("data"))
+    t = num(data.get("temperature"))
+    by_t = as_dict(data.get("evaluations"))
+    seeds = as_list(as_dict(by_t.get(f"{t:g}" if t is not None else "")).get("base"))
+    return [{"per_problem": as_list(rows)} for rows in seeds if as_list(rows)]
+
+
 def mean_band(series: list[list[float | None]]) -> tuple[list[float | None], list[float | None], list[float | None]]:
     """Pointwise mean, min and max over equally long series (None where any series lacks the point)."""
     mean, lo, hi = [], [], []
@@ -203,3 +214,23 @@ def ratio_rows(ctx) -> list[dict]:
                          "matched": sum(matched) / len(matched) if len(matched) > 1 else None,
                          "n_matched": len(matched)})
     return rows
+
+
+# ---------------------------------------------------------------------------------------- diversity: JS
+# The one Jensen-Shannon estimator a report shows (deltalens.analysis.diversity.estimators): the posterior
+# (mutual-information) form. Sections that name it (`estimator`) hold it in js_mean / js_se (per prompt:
+# js / js_se); older sections without the field hold the direct estimate there and the posterior one in
+# js_mi_mean / js_mi_se (per prompt: js_mi / js_mi_se), which is shown when present.
+JS_ESTIMATOR_NAMES = {"posterior": "posterior estimator", "direct": "direct estimator"}
+
+
+def js_shown(row: dict, section: dict | None = None, mean: str = "js_mean", se: str = "js_se",
+             mi: str = "js_mi_mean", mi_se: str = "js_mi_se") -> tuple[float | None, float | None, str]:
+    """(JS, its s.e., the estimator's name) of a diversity section or σ-sweep row (`section` None), or of a
+    per-prompt row of `section` (pass mean="js", se="js_se", mi="js_mi", mi_se="js_mi_se")."""
+    named = as_dict(section if section is not None else row).get("estimator")
+    if isinstance(named, str):
+        return num(row.get(mean)), num(row.get(se)), JS_ESTIMATOR_NAMES.get(named, f"{named} estimator")
+    if num(row.get(mi)) is not None:
+        return num(row.get(mi)), num(row.get(mi_se)), JS_ESTIMATOR_NAMES["posterior"]
+    return num(row.get(mean)), num(row.get(se)), JS_ESTIMATOR_NAMES["direct"]

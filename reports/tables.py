@@ -18,7 +18,7 @@ from .common import (
     per_seed_text,
     sort_ks,
 )
-from .metrics import ratio_rows, sparsity_keeping_gain
+from .metrics import js_shown, ratio_rows, sparsity_keeping_gain
 
 MAX_ROWS = 300
 
@@ -55,6 +55,9 @@ def base_pass_at_k(ctx: Context) -> tuple[dict, int]:
     own = dict(as_dict(as_dict(evals.get(bk)).get("pass_at_k"))) if bk else {}
     study = as_dict(ctx.analysis.get("study"))
     seeds = num(as_dict(study.get("config")).get("base_seeds"))
+    one_base = as_dict(as_dict(study.get("base")).get("pass_at_k"))
+    if seeds and one_base:  # the study's one base definition (study.base), as the figure and verdicts use
+        return {**own, **{str(k): num(v) for k, v in one_base.items()}}, int(seeds)
     if seeds and seeds > 1:
         means = {}
         for key, e in as_dict(study.get("effects")).items():
@@ -208,6 +211,8 @@ def claims_table(ctx: Context) -> str | None:
         rows.append(f'<tr class="claim"><th scope="row" colspan="{9 if holm else 5}">({esc(cl.get("id"))}) '
                     f'{esc(cl.get("title"))}</th>'
                     f'<td><span class="delta {VERDICT_CLASS.get(v, "flat")}">{esc(v)}</span></td></tr>')
+        if cl.get("note"):  # a paper claim the study did not run: the option that runs it
+            rows.append(f'<tr><td colspan="{10 if holm else 6}">{esc(cl.get("note"))}</td></tr>')
         for c in as_list(cl.get("checks")):
             c = as_dict(c)
             cv = str(c.get("verdict"))
@@ -312,13 +317,18 @@ def per_prompt_table(ctx: Context) -> str:
         for p in as_list(div[label]["per_prompt"]):
             if isinstance(p, dict):
                 prompts.setdefault(str(p.get("prompt", "")), {})[label] = p
-    head = "".join(f"<th scope=\"col\">{_swatch(ctx, label)}{esc(label)} JS</th>" for label in labels)
+    per_row = {"mean": "js", "se": "js_se", "mi": "js_mi", "mi_se": "js_mi_se"}
+    # each column names the JS estimator it shows (reports.metrics.js_shown)
+    names = {label: js_shown(next((p for p in as_list(div[label]["per_prompt"]) if isinstance(p, dict)), {}),
+                             div[label], **per_row)[2] for label in labels}
+    head = "".join(f"<th scope=\"col\">{_swatch(ctx, label)}{esc(label)} JS ({esc(names[label])})</th>"
+                   for label in labels)
     rows = []
     for prompt, by in list(prompts.items())[:MAX_ROWS]:
         cells = [f'<td class="prompt"><code>{esc(prompt)}</code></td>']
         for label in labels:
             p = by.get(label, {})
-            js, se = num(p.get("js")), num(p.get("js_se"))
+            js, se, _ = js_shown(p, div[label], **per_row)
             text = "—" if js is None else fmt_g(js) + (f" ± {fmt_g(se)}" if se is not None else "")
             cells.append(f'<td class="num">{esc(text)}</td>')
         rows.append("<tr>" + "".join(cells) + "</tr>")

@@ -11,13 +11,13 @@ from deltalens.schema import new_document
 
 
 def model_entry(label: str, path, shown: str | None = None) -> dict:
-    """The schema's models[] entry: kind "run" for a deltalens run directory (metrics.jsonl), with
+    """The schema's models[] entry: kind "run" for a deltalens run directory (`RunDir.is_run`), with
     its method from the run's config when it names one (`deltalens.methods`), else "checkpoint". `shown`:
     the path written into the document when it differs from the one read (a study's runs, relative to
     the study)."""
     p = Path(str(path))
     kind, method = "checkpoint", None
-    if p.is_dir() and (p / "metrics.jsonl").exists():
+    if RunDir.is_run(p):
         kind = "run"
         m = RunDir(p).method()
         method = m if is_run_method(m) else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from deltalens.analysis.diversity import _seed, problem_ids, sample_responses, sequence_logprobs
+from deltalens.analysis.diversity.sampling import _seed, problem_ids, sample_responses, sequence_logprobs
 
 
 @torch.no_grad()

@@ -7,6 +7,18 @@ as JSON files in a cache directory next to the report, keyed by a content hash o
 weight files' bytes and every setting that changes the result), so re-running a report with the same
 inputs recomputes nothing, and changing a checkpoint recomputes only what depends on it.
 
+The steps, in order (`_Report`): check every option and resolve every model spec once into a
+`deltalens.io.spec.ModelRef` (`_Report.__init__`), say the cost of the evaluations (`_log_plan`), diff
+the weights (`diff`), evaluate on the task and the held-out tasks (`evals`, `held_out`), sparsify and
+re-evaluate (`sparsify`), collect training curves (`training`) and population diversity (`diversity`).
+Every later step takes the references, never the spec strings.
+
+Content hashes (`weights_hash`) read every weight file once. On a cold cache (no diff in it yet) the
+diff cannot be cached anyway, so the hash of each single-file safetensors input is computed from the
+bytes the diff reads (`deltalens.io.tensors.hashing_reads`): the base is read once, not hashed and then
+diffed. With a warm cache the hashes come first (to find the cached diff); with no cache (`cache_dir`
+None) nothing is hashed.
+
 Bare weights (.pt, .safetensors without a config.json beside) take their architecture from `arch` (the
 command's `--arch`): every bare input, the base included, is loaded onto it, and every sparsified state
 dict is evaluated on the base's architecture (`deltalens.io.spec.architecture`). Before the first
@@ -21,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltalens.analysis.delta import diff_checkpoints
@@ -33,10 +46,19 @@ from deltalens.evaluation.options import check_eval_options
 from deltalens.io.atomic import write_json_atomic
 from deltalens.io.models import load_model
 from deltalens.io.runs import RunDir
-from deltalens.io.spec import arch_for, architecture, check_arch, default_labels, resolve
+from deltalens.io.spec import (
+    HASHED_GLOBS,
+    ModelRef,
+    arch_for,
+    architecture,
+    check_arch,
+    default_labels,
+    resolve,
+)
+from deltalens.io.tensors import FileHasher, hashing_reads
 from deltalens.tasks import get_task
 
-WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "config.json")
+WEIGHT_GLOBS = HASHED_GLOBS  # the files of a model directory its content hash covers (older name)
 
 
 # ----------------------------------------------------------------------------- content hashing
@@ -49,22 +71,36 @@ def _hash_file(h, path: Path, chunk: int = 1 << 22) -> None:
             h.update(block)
 
 
-def weights_hash(spec: str, config: str | None = None) -> str:
-    """sha256 over the bytes of the weight files a model spec stands for (hub ids: the id itself)."""
-    ref = resolve(spec)
-    kind, loc = ref.kind, ref.location
-    h = hashlib.sha256()
-    if kind == "hub":
-        h.update(f"hub:{loc}".encode())
-    elif Path(loc).is_dir():
-        for pattern in WEIGHT_GLOBS:
-            for f in sorted(Path(loc).glob(pattern)):
-                _hash_file(h, f)
-    else:
-        _hash_file(h, Path(loc))
-        if kind == "weights" and config is not None:
-            h.update(weights_hash(config).encode())
-    return h.hexdigest()
+class _HashStream:
+    """`weights_hash` of one reference as a stream: sha256 over name + bytes of each of `ref.files()` in
+    order (a hub id: the id), then, for bare weights with an architecture, that architecture's hash (hex).
+    A first file in .safetensors can be fed by the reads of a diff (`first`, a `FileHasher`)."""
+
+    def __init__(self, ref: ModelRef, config: str | None):
+        self.ref, self.config, self.h = ref, config, hashlib.sha256()
+        self.files = ref.files()
+        if ref.kind == "hub":
+            self.h.update(f"hub:{ref.location}".encode())
+        self.first = FileHasher(self.files[0], self.h) if self.files and self.files[0].suffix == ".safetensors" \
+            else None
+
+    def finish(self, arch_hash: Callable[[str], str] | None = None) -> str:
+        """The hex digest: what the reads left out, the other files, the architecture's hash."""
+        rest = self.files
+        if self.first is not None:
+            self.first.finish()
+            rest = self.files[1:]
+        for f in rest:
+            _hash_file(self.h, f)
+        if self.ref.kind == "weights" and self.config is not None:
+            self.h.update((arch_hash or weights_hash)(self.config).encode())
+        return self.h.hexdigest()
+
+
+def weights_hash(spec: str | ModelRef, config: str | None = None) -> str:
+    """sha256 over the bytes of the weight files a model spec stands for (hub ids: the id itself); for
+    bare weights, `config` (the architecture they load onto) is part of it."""
+    return _HashStream(resolve(spec), config).finish()
 
 
 def state_dict_hash(sd) -> str:
@@ -90,6 +126,15 @@ class Cache:
         blob = json.dumps({"what": what, **inputs}, sort_keys=True, default=str)
         return f"{what}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
 
+    def holds_any(self, what: str) -> bool:
+        """Whether any entry of kind `what` is stored (False without a directory)."""
+        return self.dir is not None and self.dir.is_dir() and any(self.dir.glob(f"{what}-*.json"))
+
+    def put(self, key: str, value: dict) -> dict:
+        if self.dir is not None:
+            write_json_atomic(value, self.dir / f"{key}.json")
+        return value
+
     def get_or_compute(self, key: str, compute: Callable[[], dict], log: Callable[[str], None] | None = None):
         if self.dir is not None:
             f = self.dir / f"{key}.json"
@@ -102,10 +147,7 @@ class Cache:
                     if log:
                         log(f"cached: {key}")
                     return value
-        value = compute()
-        if self.dir is not None:
-            write_json_atomic(value, self.dir / f"{key}.json")
-        return value
+        return self.put(key, compute())
 
 
 # ----------------------------------------------------------------------------- sections
@@ -154,163 +196,260 @@ def training_section(label: str, run_dir: Path) -> dict | None:
     return {"method": method, "x": x, "rows": out_rows}
 
 
-def build_analysis(base: str, models: Sequence[str], *, labels: Sequence[str] | None = None,
-                   task: str | None = None, data: str | None = None, samples: int = 32,
-                   ks: Sequence[int] = (1, 16, 32), temperature: float = 0.6, limit: int | None = None,
-                   seed: int = 0, sparsify: Sequence[float] = (), sparsity_targets: Sequence[float] = (),
-                   held_out: Sequence[str] = (), diversity: bool = False, diversity_opts: dict | None = None,
-                   diversity_models: Sequence[str] | None = None, sparsify_models: Sequence[str] | None = None,
-                   arch: str | None = None, cache_dir: Path | None = None,
-                   log: Callable[[str], None] = lambda s: None, progress_factory=None,
-                   chat_template: str = "auto", config: str | None = None) -> dict:
+@dataclass(frozen=True)
+class ReportOptions:
+    """What `build_analysis` runs, and how. One line per field, as the `deltalens report` options say."""
+
+    # -- the models
+    labels: Sequence[str] | None = None  # one per model (default: file stems); never "base"
+    arch: str | None = None  # architecture of every bare-weights input, the base included (`--arch`)
+    # -- the evaluations (all need `task`)
+    task: str | None = None  # evaluate Pass@K on this task (None: the diff only)
+    data: str | None = None  # jsonl file or directory of a gsm8k / jsonl task
+    samples: int = 32  # samples per problem
+    ks: Sequence[int] | str = (1, 16, 32)  # K values of Pass@K
+    temperature: float = 0.6  # sampling temperature
+    limit: int | None = None  # first N test problems of every evaluation
+    seed: int = 0  # evaluation seed
+    chat_template: str = "auto"  # auto | on | off, as in `deltalens eval`
+    # -- the costly extras
+    sparsify: Sequence[float] = ()  # sparsify at these thresholds τ on |Δ|
+    sparsity_targets: Sequence[float] = ()  # and at these target sparsities
+    sparsify_models: Sequence[str] | None = None  # labels to sparsify (None: every model)
+    held_out: Sequence[str] = ()  # held-out task names (forgetting)
+    diversity: bool = False  # population JS and coverage
+    diversity_opts: dict = field(default_factory=dict)  # options of `diversity_section` (members, sigma, ...)
+    diversity_models: Sequence[str] | None = None  # labels to measure (None: the ES runs, else every model)
+    # -- where results go and what is said
+    cache_dir: Path | None = None  # cached results by content hash (None: no cache, nothing hashed)
+    log: Callable[[str], None] = lambda s: None  # one line per step (cost, cached entries)
+    progress_factory: Callable | None = None  # progress_factory(description, total) -> progress callback
+
+
+def build_analysis(base: str | ModelRef, models: Sequence[str | ModelRef], options: ReportOptions | None = None,
+                   *, config: str | None = None, **kwargs) -> dict:
     """Run the requested analyses of `models` against `base`; returns the analysis.json dict.
 
-    diversity_models / sparsify_models: labels to restrict those (costly) analyses to; None = all.
-    arch: the architecture of every bare-weights input, the base included (`config`: its old name).
+    Options are a `ReportOptions` or its fields as keywords (`config`: the old name of `arch`); specs are
+    anything `deltalens.io.spec.resolve` takes, resolved here once.
     """
-    arch = check_arch(arch if arch is not None else config)
-    if not models:
-        raise DeltalensError("give a base and at least one model to compare: deltalens report BASE MODEL [MODEL...]")
-    ks = parse_ks(ks)
-    if task is None and (sparsify or sparsity_targets or held_out or diversity):
-        raise DeltalensError("--thresholds/--sparsity, --held-out and --diversity need --task")
-    labels = list(labels) if labels else default_labels(list(models))
-    if len(labels) != len(models) or len(set(labels)) != len(labels) or "base" in labels:
-        raise DeltalensError("give one unique --label per model (and not 'base')")
-    # every option is checked before any work (or cache entry) is done
-    if task is not None:
-        check_eval_options(samples=samples, ks=ks, temperature=temperature, limit=limit)
-    if sparsify or sparsity_targets:
-        check_points(list(sparsify), list(sparsity_targets))
-    t = get_task(task, data=data, seed=0) if task else None
-    if t is not None:
-        t.test(limit)  # reads a jsonl task's data now
-    held_tasks = {name: get_task(name, seed=0) for name in held_out}
-    specs = {"base": base, **dict(zip(labels, models))}
-    if t is not None:  # every input is evaluated: a bare one without an architecture is refused now
-        for spec in specs.values():
-            architecture(spec, arch)
-    cache = Cache(cache_dir)
-    hashes = {lab: weights_hash(spec, arch_for(spec, arch) if t is not None else arch)
-              for lab, spec in specs.items()}
-    if diversity and diversity_models is None:  # ES runs (their own seeds and σ); if there are none, every model
-        es_runs = [lab for lab, m in zip(labels, models) if model_entry(lab, m)["method"] == "es"]
-        diversity_models = es_runs or list(labels)
-    if t is not None:
-        _log_plan(log, base=base, arch=arch, n_models=len(specs), task=t, held=held_tasks, samples=samples,
-                  limit=limit, sparsify=sum(sparsify_models is None or lab in sparsify_models for lab in labels)
-                  if (sparsify or sparsity_targets) else 0, points=len(sparsify) + len(sparsity_targets),
-                  diversity=len(diversity_models) if diversity else 0, diversity_opts=diversity_opts or {})
+    if options is None:
+        if config is not None and kwargs.get("arch") is None:
+            kwargs["arch"] = config
+        kwargs = {k: v for k, v in kwargs.items() if not (k == "diversity_opts" and v is None)}
+        options = ReportOptions(**kwargs)
+    elif kwargs or config is not None:
+        raise TypeError("build_analysis: pass either a ReportOptions or keyword options, not both")
+    return _Report(base, models, options).run()
 
-    def weights_path(spec: str):
-        ref = resolve(spec)
-        if ref.kind == "hub":
-            raise DeltalensError(f"{spec}: diffing needs local weights; download the model and pass its directory")
-        return ref.location
 
-    # -- weight deltas (always)
-    log("diff: " + ", ".join(labels))
-    diff_key = cache.key("diff", base=hashes["base"], models=[hashes[lab] for lab in labels], labels=labels)
-    doc_sections = cache.get_or_compute(
-        diff_key, lambda: diff_checkpoints(weights_path(base), [weights_path(m) for m in models], labels,
-                                           progress=progress_factory is not None, arch=arch), log)
+class _Report:
+    """One report's state between its steps: options, references, content hashes, the cache."""
 
-    sections: dict = {"diff": doc_sections["diff"], "ratios": doc_sections["ratios"]}
+    def __init__(self, base, models: Sequence, o: ReportOptions):
+        self.o = o
+        self.log = o.log
+        self.arch = check_arch(o.arch)
+        if not models:
+            raise DeltalensError("give a base and at least one model to compare: deltalens report BASE MODEL [MODEL...]")
+        self.ks = parse_ks(o.ks)
+        if o.task is None and (o.sparsify or o.sparsity_targets or o.held_out or o.diversity):
+            raise DeltalensError("--thresholds/--sparsify, --held-out and --diversity need --task")
+        specs = [m.spec if isinstance(m, ModelRef) else str(m) for m in models]
+        self.labels = list(o.labels) if o.labels else default_labels(specs)
+        if len(self.labels) != len(models) or len(set(self.labels)) != len(self.labels) or "base" in self.labels:
+            raise DeltalensError("give one unique --label per model (and not 'base')")
+        # every option is checked before any work (or cache entry) is done
+        if o.task is not None:
+            check_eval_options(samples=o.samples, ks=self.ks, temperature=o.temperature, limit=o.limit)
+        if o.sparsify or o.sparsity_targets:
+            check_points(list(o.sparsify), list(o.sparsity_targets))
+        self.task = get_task(o.task, data=o.data, seed=0) if o.task else None
+        if self.task is not None:
+            self.task.test(o.limit)  # reads a jsonl task's data now
+        self.held_tasks = {name: get_task(name, seed=0) for name in o.held_out}
+        # each spec resolved once: every later step takes these references
+        self.refs: dict[str, ModelRef] = {lab: resolve(spec, arch=self.arch)
+                                          for lab, spec in zip(["base", *self.labels], [base, *models])}
+        if self.task is not None:  # every input is evaluated: a bare one without an architecture is refused now
+            for ref in self.refs.values():
+                architecture(ref)
+        self.cache = Cache(o.cache_dir)
+        self.hashes: dict[str, str | None] = {lab: None for lab in self.refs}
+        self.diversity_models = None
+        if o.diversity:  # ES runs (their own seeds and σ); if there are none, every model
+            self.diversity_models = o.diversity_models
+            if self.diversity_models is None:
+                es_runs = [lab for lab in self.labels if self.entry(lab)["method"] == "es"]
+                self.diversity_models = es_runs or list(self.labels)
+        self.loaded: dict = {}
 
-    # -- evaluations (base + each model) on the main task
-    loaded: dict = {}
+    def entry(self, label: str) -> dict:
+        return model_entry(label, self.refs[label].spec)
 
-    def model_for(label):
-        if label not in loaded:
-            loaded.clear()  # keep at most one model in memory
-            loaded[label] = load_model(specs[label], config=arch_for(specs[label], arch))  # the base too
-        return loaded[label]
+    # -- content hashes
+    def _hash_config(self, ref: ModelRef) -> str | None:
+        """The architecture a bare input's hash covers: what it loads onto when evaluated, else --arch."""
+        return arch_for(ref) if self.task is not None else self.arch
 
-    def eval_one(label, tsk):
-        key = cache.key("eval", weights=hashes[label], task=tsk.name, data=data, samples=samples, ks=ks,
-                        temperature=temperature, limit=limit, seed=seed, chat_template=chat_template)
+    def _streams(self) -> dict[str, _HashStream]:
+        return {lab: _HashStream(ref, self._hash_config(ref)) for lab, ref in self.refs.items()}
+
+    def _finish(self, streams: dict[str, _HashStream]) -> None:
+        """Digests of every stream; an architecture that is one of the inputs reuses that input's hash."""
+        by_location: dict[tuple, str] = {}
+        for lab in sorted(streams, key=lambda lab: streams[lab].ref.kind == "weights"):  # bare weights last
+            ref = streams[lab].ref
+
+            def arch_hash(spec: str) -> str:
+                a = resolve(spec)
+                return by_location.get((a.kind, str(a.location))) or weights_hash(a)
+
+            self.hashes[lab] = streams[lab].finish(arch_hash)
+            self.refs[lab] = ref.with_hash(self.hashes[lab])
+            if ref.kind != "weights":
+                by_location[(ref.kind, str(ref.location))] = self.hashes[lab]
+
+    # -- the steps
+    def run(self) -> dict:
+        o, t = self.o, self.task
+        if t is not None:
+            _log_plan(self.log, base=self.refs["base"], arch=self.arch, n_models=len(self.refs), task=t,
+                      held=self.held_tasks, samples=o.samples, limit=o.limit,
+                      sparsify=sum(self._sparsified(lab) for lab in self.labels)
+                      if (o.sparsify or o.sparsity_targets) else 0,
+                      points=len(o.sparsify) + len(o.sparsity_targets),
+                      diversity=len(self.diversity_models) if o.diversity else 0, diversity_opts=o.diversity_opts)
+        sections: dict = self.diff()
+        if t is not None:
+            sections["evals"] = {lab: self.eval_one(lab, t) for lab in self.refs}
+        if o.held_out:
+            sections["held_out"] = self.held_out()
+        if o.sparsify or o.sparsity_targets:
+            sections["sparsify"] = self.sparsify()
+        training = self.training()
+        if training:
+            sections["training"] = training
+        if o.diversity:
+            sections["diversity"] = self.diversity()
+        return analysis_document(self.refs["base"].spec, [self.entry(lab) for lab in self.labels], **sections)
+
+    def diff(self) -> dict:
+        """Weight deltas of every model against the base (always). Hashes every input on the way: from
+        the diff's own reads on a cold cache, before it (to look it up) on a warm one, not at all without."""
+        self.log("diff: " + ", ".join(self.labels))
+        base, models = self.refs["base"], [self.refs[lab] for lab in self.labels]
+        for ref in (base, *models):
+            ref.path  # noqa: B018 - a hub id cannot be diffed: refused before any reading
+        compute = lambda: diff_checkpoints(base, models, self.labels, progress=self.o.progress_factory is not None)
+        if self.cache.dir is None:
+            doc = compute()
+        elif not self.cache.holds_any("diff"):  # cold: the diff is computed anyway, so hash while reading
+            streams = self._streams()
+            with hashing_reads(s.first for s in streams.values() if s.first is not None):
+                doc = compute()
+            self._finish(streams)
+            doc = self.cache.put(self._diff_key(), doc)
+        else:
+            self._finish(self._streams())
+            doc = self.cache.get_or_compute(self._diff_key(), compute, self.log)
+        return {"diff": doc["diff"], "ratios": doc["ratios"]}
+
+    def _diff_key(self) -> str:
+        return self.cache.key("diff", base=self.hashes["base"], models=[self.hashes[lab] for lab in self.labels],
+                              labels=self.labels)
+
+    def model_for(self, label: str):
+        if label not in self.loaded:
+            self.loaded.clear()  # keep at most one model in memory
+            ref = self.refs[label]
+            self.loaded[label] = load_model(ref, config=arch_for(ref))  # the base too
+        return self.loaded[label]
+
+    def eval_one(self, label: str, tsk) -> dict:
+        o = self.o
+        key = self.cache.key("eval", weights=self.hashes[label], task=tsk.name, data=o.data, samples=o.samples,
+                             ks=self.ks, temperature=o.temperature, limit=o.limit, seed=o.seed,
+                             chat_template=o.chat_template)
 
         def compute():
-            model, tok = model_for(label)
-            prog = progress_factory(f"eval {label} on {tsk.name}", len(tsk.test(limit)) * samples) \
-                if progress_factory else None
-            res = evaluate(model, tok, tsk, samples=samples, ks=ks, temperature=temperature, limit=limit,
-                           seed=seed, progress=prog, chat_template=chat_template)
-            return res
+            model, tok = self.model_for(label)
+            prog = o.progress_factory(f"eval {label} on {tsk.name}", len(tsk.test(o.limit)) * o.samples) \
+                if o.progress_factory else None
+            return evaluate(model, tok, tsk, samples=o.samples, ks=self.ks, temperature=o.temperature, limit=o.limit,
+                            seed=o.seed, progress=prog, chat_template=o.chat_template)
 
-        return cache.get_or_compute(key, compute, log)
+        return self.cache.get_or_compute(key, compute, self.log)
 
-    if t is not None:
-        sections["evals"] = {lab: eval_one(lab, t) for lab in ["base", *labels]}
-
-    # -- held-out tasks (forgetting)
-    if held_out:
+    def held_out(self) -> dict:
+        """Pass@K of every model on each held-out task (forgetting)."""
         ho: dict = {}
-        for name, ht in held_tasks.items():
-            for lab in ["base", *labels]:
-                ho.setdefault(lab, {})[name] = eval_one(lab, ht)["pass_at_k"]
-        sections["held_out"] = ho
+        for name, ht in self.held_tasks.items():
+            for lab in self.refs:
+                ho.setdefault(lab, {})[name] = self.eval_one(lab, ht)["pass_at_k"]
+        return ho
 
-    # -- sparsification sweeps (each model vs base, re-evaluated on the task)
-    if sparsify or sparsity_targets:
+    def _sparsified(self, label: str) -> bool:
+        return self.o.sparsify_models is None or label in self.o.sparsify_models
+
+    def sparsify(self) -> dict:
+        """Sparsification sweeps: each model vs the base, re-evaluated on the task."""
         from deltalens.evaluation import evaluate_state_dict
 
+        o, t = self.o, self.task
         sp: dict = {}
         model_cache: dict = {}
         memo: dict = {}  # state-dict content hash -> evaluation (the base is evaluated once for all models)
-        base_arch = architecture(base, arch)  # every state dict is evaluated on the base's architecture
+        base_arch = architecture(self.refs["base"])  # every state dict is evaluated on the base's architecture
 
-        for lab, spec in zip(labels, models):
-            if sparsify_models is not None and lab not in sparsify_models:
+        def evaluate_fn(sd):
+            h = state_dict_hash(sd)
+            if h not in memo:
+                memo[h] = evaluate_state_dict(base_arch, sd, t, samples=o.samples, ks=self.ks,
+                                              temperature=o.temperature, limit=o.limit, seed=o.seed,
+                                              model_cache=model_cache, chat_template=o.chat_template)
+            return memo[h]
+
+        for lab in self.labels:
+            if not self._sparsified(lab):
                 continue
             # v2: points carry gain_retained_ci and the section gain_ci / warnings (older entries lack them)
-            key = cache.key("sparsify", v=2, base=hashes["base"], model=hashes[lab], taus=list(sparsify),
-                            targets=list(sparsity_targets), task=t.name, samples=samples, ks=ks,
-                            temperature=temperature, limit=limit, seed=seed, chat_template=chat_template)
+            key = self.cache.key("sparsify", v=2, base=self.hashes["base"], model=self.hashes[lab],
+                                 taus=list(o.sparsify), targets=list(o.sparsity_targets), task=t.name,
+                                 samples=o.samples, ks=self.ks, temperature=o.temperature, limit=o.limit,
+                                 seed=o.seed, chat_template=o.chat_template)
 
-            def compute(spec=spec, lab=lab):
-                def evaluate_fn(sd):
-                    h = state_dict_hash(sd)
-                    if h not in memo:
-                        memo[h] = evaluate_state_dict(base_arch, sd, t, samples=samples, ks=ks,
-                                                      temperature=temperature,
-                                                      limit=limit, seed=seed, model_cache=model_cache,
-                                                      chat_template=chat_template)
-                    return memo[h]
+            def compute(lab=lab):
+                self.log(f"sparsify {lab}: {len(o.sparsify) + len(o.sparsity_targets)} points")
+                return sparsify_sweep(self.refs["base"], self.refs[lab], list(o.sparsify), evaluate_fn,
+                                      sparsities=list(o.sparsity_targets), label=lab, task=t.name)
 
-                log(f"sparsify {lab}: {len(sparsify) + len(sparsity_targets)} points")
-                return sparsify_sweep(weights_path(base), weights_path(spec), list(sparsify), evaluate_fn,
-                                      sparsities=list(sparsity_targets), label=lab, task=t.name)
+            sp.update(self.cache.get_or_compute(key, compute, self.log))
+        return sp
 
-            sp.update(cache.get_or_compute(key, compute, log))
-        sections["sparsify"] = sp
+    def training(self) -> dict:
+        """Training curves of the models that are run directories."""
+        out = {}
+        for lab in self.labels:
+            run = self.refs[lab].run
+            if run is not None and (sec := training_section(lab, run)):
+                out[lab] = sec
+        return out
 
-    # -- training curves from run directories
-    training = {}
-    for lab, spec in zip(labels, models):
-        p = Path(spec)
-        if RunDir.is_run(p) and (p / "checkpoints").is_dir():
-            sec = training_section(lab, p)
-            if sec:
-                training[lab] = sec
-    if training:
-        sections["training"] = training
-
-    # -- population diversity of ES runs / models
-    if diversity:
-        div = {}
-        for lab, spec in zip(labels, models):
-            if diversity_models is not None and lab not in diversity_models:
+    def diversity(self) -> dict:
+        """Population diversity of the ES runs (or the models `diversity_models` names)."""
+        o, div = self.o, {}
+        for lab in self.labels:
+            if lab not in self.diversity_models:
                 continue
-            key = cache.key("diversity", model=hashes[lab], task=t.name, opts=diversity_opts or {}, seed=seed,
-                            chat_template=chat_template)
-            div[lab] = cache.get_or_compute(
-                key, lambda spec=spec: diversity_section(spec, t, chat_template=chat_template,
-                                                         config=arch_for(spec, arch), **(diversity_opts or {})),
-                log)
-        sections["diversity"] = div
-
-    return analysis_document(base, [model_entry(lab, m) for lab, m in zip(labels, models)], **sections)
+            ref = self.refs[lab]
+            # v2: js_mean / js_se are the posterior estimator, named in "estimator" (older entries: direct)
+            key = self.cache.key("diversity", v=2, model=self.hashes[lab], task=self.task.name, opts=o.diversity_opts,
+                                 seed=o.seed, chat_template=o.chat_template)
+            div[lab] = self.cache.get_or_compute(
+                key, lambda ref=ref: diversity_section(ref, self.task, chat_template=o.chat_template,
+                                                       config=arch_for(ref), **o.diversity_opts), self.log)
+        return div
 
 
 DEFAULT_REPORT_DIR = Path("deltalens-report")

@@ -26,7 +26,6 @@ from deltalens.errors import DeltalensError
 from deltalens.io.runs import RUN_ENTRIES, RunDir
 from deltalens.io.spec import ModelRef, resolve
 from deltalens.io.wheel_models import MODELS as WHEEL_MODELS
-from deltalens.io.wheel_models import cached_path
 
 
 @dataclass(frozen=True)
@@ -54,34 +53,32 @@ def _within(p: Path, d: Path) -> bool:
     return p == d or d in p.parents
 
 
-def model_inputs(spec: str | os.PathLike) -> list[_Input]:
+def model_inputs(spec: str | os.PathLike | ModelRef) -> list[_Input]:
     """The files and directories a model spec reads: a weight file (and the config.json beside it, which
     gives its architecture), a model directory, a run directory. Hub ids have none, nor has a spec that
-    names nothing (reporting that is the command's job, with its own message)."""
-    p = Path(spec).expanduser()
-    if p.is_dir() and RunDir.is_run(p):
+    names nothing (reporting that is the command's job, with its own message). The spec is classified by
+    `resolve` (a `ModelRef` as it is), without assembling a wheel model (its cache path is compared)."""
+    try:
+        ref = resolve(spec, fetch=False)
+    except DeltalensError:  # a run without checkpoints yet, a directory or file of no known kind: its path
+        p = Path(spec).expanduser()
+        if RunDir.is_run(p):
+            return [_Input(_real(p), str(spec), "run_dir")]
+        return file_inputs([p]) if p.exists() else []
+    if ref.run is not None:
         # a run directory is an input as a whole (its checkpoints, metrics and state are all read)
-        return [_Input(_real(p), str(spec), "run_dir")]
-    if p.exists():
-        ref = ModelRef(str(spec), "hf_dir" if p.is_dir() else "weights", p)
-    elif str(spec) in WHEEL_MODELS:  # its cache folder, without assembling it just to compare paths
-        return [_Input(_real(cached_path(str(spec)).parent), str(spec), "model_dir")]
-    else:
-        try:
-            ref = resolve(str(spec))  # tiny, smollm2, hub ids
-        except DeltalensError:
-            return []
+        return [_Input(_real(ref.run), ref.spec, "run_dir")]
     if ref.kind == "hub":
         return []
     loc = Path(ref.location)
-    out = []
+    if ref.kind == "gguf" and ref.spec in WHEEL_MODELS:  # its cache folder, assembled or not
+        return [_Input(_real(loc.parent), ref.spec, "model_dir")]
     if loc.is_dir():
-        out.append(_Input(_real(loc), ref.spec, "model_dir"))
-    else:
-        out.append(_Input(_real(loc), ref.spec, "file"))
-        beside = loc.parent / "config.json"
-        if beside.is_file():
-            out.append(_Input(_real(beside), ref.spec, "file"))
+        return [_Input(_real(loc), ref.spec, "model_dir")]
+    out = [_Input(_real(loc), ref.spec, "file")]
+    beside = loc.parent / "config.json"
+    if beside.is_file():
+        out.append(_Input(_real(beside), ref.spec, "file"))
     return out
 
 

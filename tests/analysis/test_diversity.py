@@ -137,6 +137,25 @@ def test_js_from_logprobs_by_hand():
     assert same["js"] == same["js_se"] == 0.0 and abs(same["js_mi"]) < 1e-12 and same["se_kind"] == "stratified"
 
 
+def test_the_reported_js_estimator_on_two_distributions_by_hand():
+    """P = (1/2, 1/2) and Q = (9/10, 1/10) over two responses A, B; M = (P + Q)/2 = (7/10, 3/10):
+    JS = ½ KL(P‖M) + ½ KL(Q‖M) = ½ (½ ln(5/7) + ½ ln(5/3)) + ½ (9/10 ln(9/7) + 1/10 ln(1/3)) = 0.1017492 nats.
+    Samples in exact proportion (P: 5 A, 5 B; Q: 9 A, 1 B) make every sample mean an expectation, so the
+    reported (posterior) estimator, log 2 − H(w(y)) averaged over the pooled samples, is JS itself, and the
+    direct one agrees: both are unbiased, they differ in variance only (estimators.py)."""
+    from deltalens.analysis.diversity import ESTIMATOR
+
+    p, q = {"A": 0.5, "B": 0.5}, {"A": 0.9, "B": 0.1}
+    samples = [["A"] * 5 + ["B"] * 5, ["A"] * 9 + ["B"] * 1]  # member i's 10 responses
+    logp = torch.tensor([[[math.log(pi[y]) for y in samples[i]] for i in range(2)] for pi in (p, q)],
+                        dtype=torch.float64)  # [j, i, m] = log π_j(y_im)
+    r = js_from_logprobs(logp)
+    assert ESTIMATOR == "posterior"
+    assert r["js_mi"] == pytest.approx(0.1017492, abs=1e-7)
+    assert r["js"] == pytest.approx(0.1017492, abs=1e-7)
+    assert r["js_mi_se"] < r["js_se"]  # the reason for the choice: the same JS with less Monte Carlo error
+
+
 # ----------------------------------------------------------------------------------------- sample / score
 
 
@@ -200,8 +219,11 @@ def test_js_of_two_known_members_matches_the_exact_value():
     task = LetterTask("a")
     r = population_divergence(pop, task, task.test(), samples=150, temperature=T, seed=1)
     exact = _exact_js([qa, qb])  # ≈ 0.133 nats
-    assert abs(r["js_mean"] - exact) < 4 * r["js_se"] and r["js_se"] < 0.04
-    assert abs(r["js_mi_mean"] - exact) < 4 * r["js_mi_se"] and r["js_mi_se"] < 0.02
+    # the reported estimator (js_mean) is the posterior one; the direct one is kept beside it
+    assert r["estimator"] == "posterior" and r["js_mean"] == r["js_mi_mean"] and r["js_se"] == r["js_mi_se"]
+    assert abs(r["js_mean"] - exact) < 4 * r["js_se"] and r["js_se"] < 0.02
+    assert abs(r["js_direct_mean"] - exact) < 4 * r["js_direct_se"] and r["js_direct_se"] < 0.04
+    assert r["per_prompt"][0]["js"] == r["per_prompt"][0]["js_mi"] != r["per_prompt"][0]["js_direct"]
     assert r["coverage_centre"] is None and r["token_entropy"] is None  # no centre given
 
 
@@ -230,7 +252,9 @@ def test_sigma_zero_gives_zero_js_and_a_schema_entry(rand_model_dir):
     d = diversity_section(str(rand_model_dir), "add:digits=1-2,shots=2", members=3, sigma=0.0, prompts=2,
                           samples=2, max_new_tokens=6)
     assert d["task"] == "add:digits=1-2,terms=2,ops=+,shots=2"  # the spec it sampled, shots included
+    assert d["estimator"] == "posterior"
     assert d["js_mean"] == pytest.approx(0.0, abs=1e-9) and abs(d["js_mean"]) <= 3 * d["js_se"] + 1e-9
+    assert d["js_direct_mean"] == pytest.approx(0.0, abs=1e-9)
     assert d["js_mi_mean"] == pytest.approx(0.0, abs=1e-9)
     assert d["js_succ_mean"] == 0.0
     for key in ("sigma", "members", "prompts", "samples", "js_mean", "js_se", "js_succ_mean",

@@ -330,3 +330,35 @@ def test_reports_never_import_torch(tmp_path):
                           check=False)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "r.html").is_file()
+
+
+def test_the_js_figure_and_table_name_their_estimator(full):
+    """One JS estimator, named wherever it is shown: the figure's axis and bars, the per-prompt table's
+    header. A section that names its estimator shows js_mean; an older one without the field shows its
+    posterior js_mi_mean when it has one, else its js_mean named as the direct estimator."""
+    def shown(doc):
+        data = island(build_html(doc))
+        fig = next(f for f in data["figures"] if f["id"] == "fig-diversity")
+        bars = next(t for t in fig["data"] if t.get("legendgroup") == "js" and t["type"] == "bar")
+        return fig, bars, build_html(doc)
+
+    fig, bars, html = shown(full)  # the fixture's sections predate the field and hold one estimate
+    assert "direct estimator" in fig["layout"]["yaxis"]["title"]["text"] and bars["y"] == [0.012, 0.004]
+    assert "es JS (direct estimator)</th>" in html
+
+    new = copy.deepcopy(full)
+    for sec in new["diversity"].values():
+        sec.update(estimator="posterior", js_mean=sec["js_mean"] * 2, js_mi_mean=sec["js_mean"] * 2)
+    fig, bars, html = shown(new)
+    assert fig["layout"]["yaxis"]["title"]["text"] == "Jensen–Shannon divergence, posterior estimator (nats)"
+    assert bars["name"] == "JS (posterior estimator), all samples" and bars["y"] == [0.024, 0.008]
+    assert "(posterior estimator; ±1 Monte Carlo standard error" in html and "es JS (posterior estimator)</th>" in html
+
+    old = copy.deepcopy(full)
+    old["diversity"]["es"].update(js_mi_mean=0.02, js_mi_se=0.001)  # written before the field: direct in js_mean
+    for p in old["diversity"]["es"]["per_prompt"]:
+        p.update(js_mi=0.5, js_mi_se=0.01)
+    fig, bars, html = shown(old)
+    assert bars["y"] == [0.02, 0.004] and bars["customdata"] == ["posterior estimator", "direct estimator"]
+    assert "es JS (posterior estimator)</th>" in html and "grpo JS (direct estimator)</th>" in html
+    assert "0.5 ± 0.01" in html
