@@ -25,7 +25,7 @@ MODEL = inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, anno
 
 def _diversity(kwargs: dict) -> None:
     # --compute-dtype: the population's sampling (deltalens.analysis.diversity) takes none yet
-    cfg = o.resolve(DiversityConfig, kwargs, unsupported={"compute_dtype": "its population samples in fp32"})
+    cfg = o.resolve(DiversityConfig, kwargs, unsupported={"compute_dtype": "it samples and scores in fp32: its JS estimate needs exact log-probabilities"})
     run_diversity(kwargs["model"], cfg)
 
 

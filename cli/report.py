@@ -42,8 +42,7 @@ MODELS = inspect.Parameter("models", inspect.Parameter.POSITIONAL_OR_KEYWORD, an
 
 
 def _report(kwargs: dict) -> None:
-    # --compute-dtype: build_analysis does not take one yet (its evaluations generate in fp32)
-    cfg = o.resolve(ReportConfig, kwargs, unsupported={"compute_dtype": "its evaluations generate in fp32"})
+    cfg = o.resolve(ReportConfig, kwargs)
     run_report(kwargs["base"], kwargs["models"], cfg)
 
 
@@ -74,7 +73,7 @@ def run_report(base: str, models: list[str], cfg: ReportConfig) -> None:
                              held_out=[h for h in (held_out or "").split(",") if h], arch=arch,
                              cache_dir=None if cfg.no_cache else paths["cache"],
                              log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"), progress_factory=factory,
-                             chat_template=cfg.chat_template)
+                             chat_template=cfg.chat_template, compute_dtype=cfg.compute_dtype)
     for lbl, s in doc.get("sparsify", {}).items():
         sparsify_warnings(lbl, s)
     write_json_atomic(doc, paths["analysis"])

@@ -28,6 +28,13 @@ SPARSIFY_LIMIT = 100  # default test problems: a sweep of 6 evaluations x 100 x 
 WITH_TASK = ("task", NOT_NONE)  # `needs`: a report evaluates (and samples, sparsifies, ...) only with --task
 
 
+# A report compares models that differ by small updates: bf16 rounds a weight to ~0.4% of its size, which can
+# hide an ES update (per-element steps of ~1e-4 beside norm weights of ~1), so its evaluations stay fp32 unless asked.
+REPORT_COMPUTE_HELP = ("what its evaluations generate in: fp32 (the default here: a report compares models that "
+                       "differ by small updates, which bf16's ~0.4% rounding can hide), bf16, or auto (bf16 on a "
+                       "CPU with AMX-BF16 or a bf16 GPU for hidden size >= 512)")
+
+
 @dataclass
 class ReportConfig(Config):
     """Options of `deltalens report BASE MODELS...`."""
@@ -57,7 +64,7 @@ class ReportConfig(Config):
     seed: int = shared("seed", needs=WITH_TASK)
     no_cache: bool = option(False, "recompute everything", flags=("--no-cache",))
     chat_template: str = shared("chat_template", needs=WITH_TASK)
-    compute_dtype: str = shared("compute_dtype", needs=WITH_TASK)
+    compute_dtype: str = shared("compute_dtype", "fp32", REPORT_COMPUTE_HELP, needs=WITH_TASK)
 
 
 @dataclass

@@ -212,6 +212,7 @@ class ReportOptions:
     limit: int | None = None  # first N test problems of every evaluation
     seed: int = 0  # evaluation seed
     chat_template: str = "auto"  # auto | on | off, as in `deltalens eval`
+    compute_dtype: str = "fp32"  # what the evaluations generate in (fp32 | bf16 | auto: deltalens.generation.dtype)
     # -- the costly extras
     sparsify: Sequence[float] = ()  # sparsify at these thresholds τ on |Δ|
     sparsity_targets: Sequence[float] = ()  # and at these target sparsities
@@ -359,6 +360,10 @@ class _Report:
         return self.cache.key("diff", base=self.hashes["base"], models=[self.hashes[lab] for lab in self.labels],
                               labels=self.labels)
 
+    def _compute_key(self) -> dict:
+        """The compute dtype's part of an evaluation's cache key: none for fp32 (older entries stay hits)."""
+        return {} if self.o.compute_dtype == "fp32" else {"compute_dtype": self.o.compute_dtype}
+
     def model_for(self, label: str):
         if label not in self.loaded:
             self.loaded.clear()  # keep at most one model in memory
@@ -370,14 +375,14 @@ class _Report:
         o = self.o
         key = self.cache.key("eval", weights=self.hashes[label], task=tsk.name, data=o.data, samples=o.samples,
                              ks=self.ks, temperature=o.temperature, limit=o.limit, seed=o.seed,
-                             chat_template=o.chat_template)
+                             chat_template=o.chat_template, **self._compute_key())
 
         def compute():
             model, tok = self.model_for(label)
             prog = o.progress_factory(f"eval {label} on {tsk.name}", len(tsk.test(o.limit)) * o.samples) \
                 if o.progress_factory else None
             return evaluate(model, tok, tsk, samples=o.samples, ks=self.ks, temperature=o.temperature, limit=o.limit,
-                            seed=o.seed, progress=prog, chat_template=o.chat_template)
+                            seed=o.seed, progress=prog, chat_template=o.chat_template, compute_dtype=o.compute_dtype)
 
         return self.cache.get_or_compute(key, compute, self.log)
 
@@ -407,7 +412,8 @@ class _Report:
             if h not in memo:
                 memo[h] = evaluate_state_dict(base_arch, sd, t, samples=o.samples, ks=self.ks,
                                               temperature=o.temperature, limit=o.limit, seed=o.seed,
-                                              model_cache=model_cache, chat_template=o.chat_template)
+                                              model_cache=model_cache, chat_template=o.chat_template,
+                                              compute_dtype=o.compute_dtype)
             return memo[h]
 
         for lab in self.labels:
@@ -417,7 +423,7 @@ class _Report:
             key = self.cache.key("sparsify", v=2, base=self.hashes["base"], model=self.hashes[lab],
                                  taus=list(o.sparsify), targets=list(o.sparsity_targets), task=t.name,
                                  samples=o.samples, ks=self.ks, temperature=o.temperature, limit=o.limit,
-                                 seed=o.seed, chat_template=o.chat_template)
+                                 seed=o.seed, chat_template=o.chat_template, **self._compute_key())
 
             def compute(lab=lab):
                 self.log(f"sparsify {lab}: {len(o.sparsify) + len(o.sparsity_targets)} points")

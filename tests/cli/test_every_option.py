@@ -297,7 +297,7 @@ ROUTES: dict[str, dict[str, Route]] = {
         "--seed": R(*TASK, "--seed", "9", check=kw(BA, "seed", 9)),
         "--no-cache": R("--no-cache", check=kw(BA, "cache_dir", None)),
         "--chat-template": R(*TASK, "--chat-template", "on", check=kw(BA, "chat_template", "on")),
-        "--compute-dtype": R(*TASK, "--compute-dtype", "bf16", refused="not yet supported by report"),
+        "--compute-dtype": R(*TASK, "--compute-dtype", "bf16", check=kw(BA, "compute_dtype", "bf16")),
         "--config": R("--config", "{yaml:task: arith\nsamples: 6}", check=kw(BA, "samples", 6)),
     },
     "diff": {
