@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_es.py                       # tiny and smollm2
     python benchmarks/bench_es.py --models tiny --population 8 --prompts 16 --iterations 2
+    python benchmarks/bench_es.py --models smollm2 --preset smollm2 --iterations 1 --compute-dtype fp32,bf16
 
 Prints one JSON document: per model the mean seconds per iteration of each phase and
 `overhead_fraction` = (noise + perturb_restore + update) / iteration, the share of an iteration that
@@ -9,6 +10,14 @@ is ES bookkeeping rather than generation (goal: <= 0.10). If all members tie (z 
 it still regenerates every member's noise. The checksum (blake2b of all weights,
 used to verify Ray replicas) is reported separately. Generation grows with --prompts while the
 noise cost does not, so the fraction falls as prompts per iteration approach the paper's 64.
+
+`--compute-dtype fp32,bf16` runs each model once per compute dtype, in this order, from the same weights
+(`ESConfig.compute_dtype`: members generate on a bf16 cast of the perturbed fp32 master); each result
+records the resolved dtype, and `speedup_vs_first` is the first one's iteration time over this one's.
+The cast of the perturbed master to the compute dtype is counted in generation_s (once per member; with
+population batching once per iteration).
+`--preset` takes the ES settings of a preset (population, prompts, noise, population batching, ...);
+--population / --prompts then override it only where given.
 """
 
 from __future__ import annotations
@@ -25,8 +34,8 @@ PHASES = ("generation_s", "noise_s", "perturb_restore_s", "update_s", "update_no
           "iteration_s")
 
 
-def bench(model_spec: str, population: int, prompts: int, iterations: int, max_new_tokens: int | None,
-          dtype: str) -> dict:
+def bench(model_spec: str, population: int | None, prompts: int | None, iterations: int,
+          max_new_tokens: int | None, dtype: str, compute_dtype: str = "fp32", preset: str | None = None) -> dict:
     import torch
 
     from deltalens.io.models import load_model
@@ -39,8 +48,13 @@ def bench(model_spec: str, population: int, prompts: int, iterations: int, max_n
     t0 = time.perf_counter()
     model, tok = load_model(model_spec, dtype=dtype)
     load_s = time.perf_counter() - t0
-    cfg = ESConfig(model=model_spec, population=population, prompts_per_iteration=prompts,
-                   iterations=iterations, max_new_tokens=max_new_tokens, dtype=dtype, eval_every=0)
+    options = {"population": 4, "prompts_per_iteration": 8} if preset is None else {}  # a preset: its own
+    options.update({k: v for k, v in (("population", population), ("prompts_per_iteration", prompts)) if v})
+    if max_new_tokens:
+        options["max_new_tokens"] = max_new_tokens
+    cfg = ESConfig.preset(preset or "paper", model=model_spec, iterations=iterations, dtype=dtype,
+                          compute_dtype=compute_dtype, eval_every=0, **options)
+    population = cfg.population
     engine = ESEngine(model, tok, make_task(cfg), cfg)
     backend = LocalBackend(engine)
     rows, forced = [], 0
@@ -62,8 +76,12 @@ def bench(model_spec: str, population: int, prompts: int, iterations: int, max_n
         "parameters": sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values()),
         "trained_parameters": engine.n_trained,
         "dtype": dtype,
+        "compute_dtype": engine.compute_dtype,
+        "preset": preset,
+        "noise": cfg.noise,
+        "population_batch": cfg.population_batch,
         "population": population,
-        "prompts": prompts,
+        "prompts": cfg.prompts_per_iteration,
         "max_new_tokens": engine.max_new_tokens,
         "iterations": iterations,
         "iterations_with_tied_rewards": forced,
@@ -80,18 +98,26 @@ def bench(model_spec: str, population: int, prompts: int, iterations: int, max_n
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="tiny,smollm2", help="comma-separated model specs")
-    ap.add_argument("--population", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--population", type=int, default=None, help="default 4, or the preset's")
+    ap.add_argument("--prompts", type=int, default=None, help="default 8, or the preset's")
+    ap.add_argument("--preset", default=None, help="ES preset (e.g. smollm2, tiny): its settings")
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--compute-dtype", default="fp32",
+                    help="comma-separated compute dtypes (auto, fp32, bf16), each run in turn")
     args = ap.parse_args(argv)
     out = {"benchmark": "es_iteration_breakdown", "noise_draws_per_s_unit": "million fp32 normals / s",
            "results": []}
     for spec in args.models.split(","):
-        out["results"].append(bench(spec, args.population, args.prompts, args.iterations, args.max_new_tokens,
-                                    args.dtype))
-        print(f"done {spec}", file=sys.stderr)
+        first = None
+        for compute in args.compute_dtype.split(","):
+            r = bench(spec, args.population, args.prompts, args.iterations, args.max_new_tokens, args.dtype,
+                      compute, args.preset)
+            first = first or r
+            r["speedup_vs_first"] = round(first["mean_s"]["iteration_s"] / r["mean_s"]["iteration_s"], 3)
+            out["results"].append(r)
+            print(f"done {spec} ({r['compute_dtype']})", file=sys.stderr)
     print(json.dumps(out, indent=2))
 
 

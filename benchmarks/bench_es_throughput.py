@@ -18,7 +18,8 @@ An ES iteration is the whole step (evaluate N members, fitness shaping, update);
 response tokens it generated per second of iteration. Tokens are counted the same way on every path
 (the tokenizer's length of each decoded completion), so the ratios compare like with like. The first
 iteration of each path is a warm-up (buffers, allocator) and is left out when --iterations > 1.
-Every path starts from the same centre weights. Prints one JSON document; `ratio_to_pure` is the
+Every path starts from the same centre weights, and every path (the pure limit too) generates in
+`--compute-dtype` (default fp32). Prints one JSON document; `ratio_to_pure` is the
 tokens/s of a path over the pure limit (the goal for tiny with low-rank noise: >= 0.5).
 """
 
@@ -58,13 +59,14 @@ def count_tokens(tok, completions) -> int:
 
 
 def bench(spec: str, population: int, prompts: int, max_new_tokens: int | None, sigma: float, antithetic: bool,
-          rank: int, group: int | None, iterations: int, dtype: str, device: str = "cpu") -> dict:
+          rank: int, group: int | None, iterations: int, dtype: str, device: str = "cpu",
+          compute_dtype: str = "fp32") -> dict:
     import torch
 
     from deltalens.io.models import load_model
     from deltalens.training.es.backends import LocalBackend
     from deltalens.training.es.config import ESConfig
-    from deltalens.training.es.engine import ESEngine
+    from deltalens.training.es.engine import ESEngine, es_compute_dtype
     from deltalens.training.es.population import generate_replicated
     from deltalens.training.es.strategy import fitness_shaping, iteration_problems
     from deltalens.training.run import make_task
@@ -78,19 +80,21 @@ def bench(spec: str, population: int, prompts: int, max_new_tokens: int | None, 
     centre = {k: v.detach().clone() for k, v in model.state_dict().items()}
     group = group or population
     base = ESConfig(model=spec, population=population, prompts_per_iteration=prompts, sigma=sigma,
-                    antithetic=antithetic, max_new_tokens=max_new_tokens, dtype=dtype, eval_every=0, device=device)
+                    antithetic=antithetic, max_new_tokens=max_new_tokens, dtype=dtype, eval_every=0, device=device,
+                    compute_dtype=compute_dtype)
     task = make_task(base)
     problems = iteration_problems(task, base, 1)
 
     def pure() -> dict:
         engine = ESEngine(model, tok, task, base)
         params, texts = engine.sampling_params(), [p.prompt for p in problems]
-        generate_replicated(engine.generator, texts[:1], 1, params, segment=None)  # warm-up
+        runner = engine.compute_model()  # in the ES paths' compute dtype (the master, or its bf16 copy)
+        generate_replicated(engine.generator, texts[:1], 1, params, segment=None, model=runner)  # warm-up
         t0 = time.perf_counter()
         tokens = 0
         for start in range(0, population, group):
             out = generate_replicated(engine.generator, texts, min(group, population - start), params,
-                                      segment=None)  # plain batched generate
+                                      segment=None, model=runner)  # plain batched generate
             tokens += sum(count_tokens(tok, rows) for rows in out)
         seconds = time.perf_counter() - t0
         return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
@@ -142,6 +146,7 @@ def bench(spec: str, population: int, prompts: int, max_new_tokens: int | None, 
         "model": spec,
         "parameters": sum(p.numel() for p in {p.data_ptr(): p for p in model.parameters()}.values()),
         "dtype": dtype,
+        "compute_dtype": es_compute_dtype(base, model),
         "device": device,
         "population": population,
         "prompts": prompts,
@@ -171,6 +176,8 @@ def main(argv=None) -> None:
     ap.add_argument("--iterations", type=int, default=2, help="ES iterations per path (the first is a warm-up)")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (the ES noise is drawn on the CPU)")
+    ap.add_argument("--compute-dtype", default="fp32", help="what members (and the pure limit) generate in: "
+                    "auto, fp32, bf16 (ESConfig.compute_dtype)")
     args = ap.parse_args(argv)
     out = {"benchmark": "es_throughput", "unit": "response tokens / s", "results": []}
     for spec in args.model.split(","):
@@ -180,7 +187,7 @@ def main(argv=None) -> None:
                 s[key] = getattr(args, key)
         out["results"].append(bench(spec, s["population"], s["prompts"], s["max_new_tokens"], s["sigma"],
                                     s["antithetic"], args.rank, args.population_batch, args.iterations, args.dtype,
-                                    args.device))
+                                    args.device, args.compute_dtype))
         print(f"done {spec}", file=sys.stderr)
     print(json.dumps(out, indent=2))
 

@@ -7,8 +7,9 @@ rewards, θ += (α/N) Σ z_i ε_i.
 
     config       ESConfig: every hyperparameter (one help line each), presets (torch-free)
     strategy     noise seeds, member layout, fitness shaping, update arithmetic (knows no evaluator)
+    noise        noise families (registered by name) and `Perturber`: θ + s·ε and Σ c_k ε_k, once for all paths
     engine       ESEngine: one model replica (perturb in place, score, restore, update)
-    lowrank      EGGROLL-style rank-r noise on 2-D weights
+    lowrank      EGGROLL-style rank-r noise on 2-D weights (a noise family)
     population   several members per batched generation
     backends     who evaluates members: local, ray, vllm (one protocol; the engine imports none)
     train        the loop: metrics, checkpoints, exact resume

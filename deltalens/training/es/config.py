@@ -8,6 +8,7 @@ how it was chosen is in docs/tuning.md).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -18,10 +19,18 @@ from deltalens.training.tracking import HELP as REPORT_TO_HELP
 from deltalens.training.tracking import normalize_report_to
 
 FITNESS = ("zscore", "centered_rank")
-NOISE = ("full", "lowrank")
+NOISE = ("full", "lowrank")  # built-in noise families (deltalens.training.es.noise, deltalens.training.es.lowrank)
+COMPUTE_DTYPES = ("auto", "fp32", "bf16")  # deltalens.generation.dtype.COMPUTE_DTYPES (that module needs torch)
 BACKENDS = ("local", "ray", "vllm")
 ARITHMETIC = ("deltalens", "reference")
 DEFAULT_ITERATIONS = 100
+
+
+def noise_families() -> tuple[str, ...]:
+    """The noise families a config may name: the built-in ones and any registered since with
+    `deltalens.training.es.noise.register` (looked up without importing it: this module stays torch-free)."""
+    registered = getattr(sys.modules.get("deltalens.training.es.noise"), "FAMILIES", {})
+    return NOISE + tuple(n for n in registered if n not in NOISE)
 
 
 @dataclass
@@ -80,14 +89,18 @@ class ESConfig(Config):
     threads_per_worker: int = option(1, "ray backend: torch threads per actor", needs=("backend", ("ray",)))
     save_pt: bool = option(False, "also write a plain state dict (.pt) beside each checkpoint")
     report_to: str = option("none", REPORT_TO_HELP)
-    noise: str = option("full", "full (dense ε per tensor) or lowrank (EGGROLL: rank-r A·Bᵀ/√r on 2-D weights, "
-                        "dense ε on 1-D)", trajectory=True)
+    noise: str = option("full", "noise family: full (dense ε per tensor) or lowrank (EGGROLL: rank-r A·Bᵀ/√r on 2-D "
+                        "weights, dense ε on 1-D), or one registered in deltalens.training.es.noise", trajectory=True)
     rank: int = option(1, "lowrank noise: rank r of each 2-D perturbation", needs=("noise", ("lowrank",)),
                        trajectory=True)
     population_batch: int = option(0, "members per batched generation (deltalens.training.es.population); 0 or 1: "
                                    "one by one", trajectory=True)
     device: str = option("cpu", "local backend: where the model runs (cpu, cuda, cuda:N, auto); noise is drawn on "
                          "the CPU")
+    compute_dtype: str = option("auto", "dtype members generate in: auto (bf16 where bf16 matmuls are fast, a CPU "
+                                "with AMX-BF16 or a bf16 GPU, for hidden size >= 512, unless σ is under half a bf16 step of "
+                                "some perturbed tensor's median |w|, e.g. norm weights ~1; else fp32), fp32, bf16; the "
+                                "fp32 master is perturbed, restored and updated as always", trajectory=True)
 
     PRESETS: ClassVar[dict[str, dict]] = {
         "paper": {},
@@ -143,7 +156,8 @@ class ESConfig(Config):
             (self.noise_threads >= 0, f"noise_threads must be >= 0 (got {self.noise_threads}); 0 = auto"),
             (self.workers >= 1, f"workers must be >= 1 (got {self.workers}); set --workers"),
             (self.threads_per_worker >= 1, f"threads_per_worker must be >= 1 (got {self.threads_per_worker})"),
-            (self.noise in NOISE, f"noise must be full or lowrank (got {self.noise!r}); set --noise"),
+            (self.noise in noise_families(),
+             f"noise must be one of {', '.join(noise_families())} (got {self.noise!r}); set --noise"),
             (self.rank >= 1, f"rank must be >= 1 (got {self.rank}); set --rank"),
             (self.rank == 1 or self.noise == "lowrank",
              f"--rank {self.rank} needs --noise lowrank (full-rank noise has no rank); add --noise lowrank"),
@@ -159,6 +173,14 @@ class ESConfig(Config):
             (self.arithmetic == "deltalens" or (self.backend == "local" and self.noise == "full"
                                                  and self.population_batch <= 1),
              "--arithmetic reference runs full-rank noise, member by member, on the local backend"),
+            (self.compute_dtype in COMPUTE_DTYPES,
+             f"compute_dtype must be auto, fp32 or bf16 (got {self.compute_dtype!r}); set --compute-dtype"),
+            (self.compute_dtype == "auto" or self.dtype == "fp32" or self.compute_dtype == self.dtype,
+             (f"--compute-dtype {self.compute_dtype} with --dtype {self.dtype}: weights loaded in {self.dtype} "
+              "generate in it; drop --compute-dtype or load --dtype fp32")),
+            (self.compute_dtype != "bf16" or self.backend != "vllm",
+             ("--compute-dtype bf16 is for the local and ray backends: vLLM computes in the dtype it loads; "
+              "use --dtype bf16 with --backend vllm, or drop --compute-dtype")),
             (self.backend == "local" or (self.noise == "full" and self.population_batch <= 1),
              (f"--backend {self.backend} supports only full-rank noise evaluated member by member; use "
               "--backend local for --noise lowrank or --population-batch (or drop those options)")),

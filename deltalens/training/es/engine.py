@@ -13,7 +13,13 @@ The algorithm (Qiu et al., arXiv 2509.24372, in the setup arXiv 2608.27351 uses)
 Memory: the model is perturbed *in place* (no second model). One base copy of the trained tensors is
 kept and copied back after each member (exact restore; `restore="subtract"` drops the copy and
 subtracts the regenerated noise instead, which is not bit-exact: the reference script's way). Noise
-lives one block (at most 4M elements) per thread at a time.
+lives one block (at most 4M elements) per thread at a time. With bf16 compute (`compute_dtype`) the
+generator keeps one bf16 copy of the model (half the fp32 masters), refreshed from the perturbed master
+once per member.
+
+What ε is comes from the config's noise family (`deltalens.training.es.noise`: Gaussian "full",
+"lowrank", or a registered one), applied through the same `Perturber` the population-batched and vLLM
+paths use.
 
 Where we depart from the paper / its reference code (seeds and arithmetic: `strategy`):
 - Restore by copying a base copy back (bit-exact) instead of subtracting the regenerated noise.
@@ -22,7 +28,8 @@ Where we depart from the paper / its reference code (seeds and arithmetic: `stra
   (`reference`), for comparisons.
 - Options the paper does not use: antithetic pairs (ε_{2k+1} = -ε_{2k}), centered-rank fitness
   shaping, a parameter filter (globs on names), low-rank noise (`lowrank`), population-batched
-  evaluation (`population`), and a held-out greedy Pass@1 every `eval_every` iterations.
+  evaluation (`population`), generation in bf16 from fp32 masters (`compute_dtype`), and a held-out
+  greedy Pass@1 every `eval_every` iterations (in the compute dtype too).
 
 Tied weights (embedding = lm_head) are one tensor: parameters are deduplicated by storage pointer and
 perturbed once, under the first name. Cost figures: docs/tuning.md (`benchmarks/bench_es.py`).
@@ -32,7 +39,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import threading
 import time
 from collections.abc import Sequence
 
@@ -40,16 +46,15 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend, SamplingParams
+from deltalens.generation.dtype import resolve_compute_dtype
 from deltalens.generation.prompts import problem_prompts
 from deltalens.io.models import weights_checksum  # defined in io.models (shared with GRPO)
+from deltalens.training.es import lowrank  # noqa: F401 - registers the "lowrank" noise family
 from deltalens.training.es.config import ESConfig
-from deltalens.training.es.lowrank import LowRankNoise
+from deltalens.training.es.noise import Perturber, make_family
 from deltalens.training.es.reference import ReferenceArithmetic
 from deltalens.training.es.strategy import (
     CHUNK,
-    accumulate_noise,
-    add_scaled,
-    draw_noise,
     iteration_problems,
     member_noise,
     noise_coefficients,
@@ -91,6 +96,49 @@ def select_params(model: torch.nn.Module, patterns: Sequence[str]) -> tuple[list
     return chosen, len(unique)
 
 
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def es_compute_dtype(config: ESConfig, model: torch.nn.Module, pinned: str | None = None) -> str:
+    """The dtype members generate in ("fp32", "bf16", ...), the rule of `deltalens.generation.dtype`:
+    weights loaded in bf16/fp16 generate as they are; fp32 weights in `config.compute_dtype`, auto = bf16
+    where bf16 matmuls are fast (AMX-BF16 CPU, bf16 GPU) for hidden size >= 512, else fp32. `pinned`: what
+    the run resolved when it started (a resume, a Ray replica), so auto cannot change mid-run. The vLLM
+    backend generates in the weight dtype (vLLM computes in the dtype it loads)."""
+    param = next(model.parameters())
+    if param.dtype != torch.float32 or config.backend == "vllm":
+        return DTYPE_NAMES[param.dtype]
+    if pinned is not None:
+        return pinned
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    name = DTYPE_NAMES[resolve_compute_dtype(config.compute_dtype, param.device, param.dtype, hidden)]
+    if name == "bf16" and config.compute_dtype == "auto" and coarse_tensor(model, config) is not None:
+        return "fp32"  # auto means "fast where exact enough": σ would drown in bf16's rounding here
+    return name
+
+
+BF16_HALF_STEP = 2.0 ** -8  # bf16 keeps 8 significant bits: half a step is |w|·2^-9 .. |w|·2^-8
+
+
+def coarse_tensor(model: torch.nn.Module, config: ESConfig) -> tuple[str, float] | None:
+    """The first perturbed tensor whose median |w| is so large that σ is under half a bf16 step there
+    (σ < median|w| · 2^-8), as (name, median |w|); None when σ survives bf16 rounding in every tensor.
+
+    Why: a member generated from bf16(θ + σε) sees σε only where it crosses a rounding boundary. For RMSNorm
+    weights of ~1-2 (Qwen2.5; Gemma stores 1+w) and σ = 1.5e-3 most of the perturbation is rounded away,
+    which changes what ES can learn about exactly the tensors claim 4 is about. `compute_dtype: auto` then
+    stays fp32; an explicit bf16 is obeyed. The median is taken over at most 2^20 strided elements.
+    """
+    params, _ = select_params(model, config.params)
+    for _, name, p in params:
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // (1 << 20))
+        med = float(flat[::step].abs().float().median())
+        if config.sigma < med * BF16_HALF_STEP:
+            return name, med
+    return None
+
+
 class ESEngine:
     """One model replica: perturb in place, score members, restore, apply updates.
 
@@ -102,14 +150,23 @@ class ESEngine:
     (a tensor smaller than that is one block). Blocks are numbered over all unique parameters of the
     model (trained or not), and each (iteration, noise vector, block) has its own generator, so blocks
     are independent work items: with `noise_threads` > 1 they run in a thread pool (torch releases
-    the GIL), with identical results, and noise buffers stay at CHUNK floats per thread.
+    the GIL), with identical results, and noise buffers stay at CHUNK floats per thread. The noise
+    itself is the config's noise family (`deltalens.training.es.noise`), applied by a `Perturber`.
+
+    Compute dtype (`es_compute_dtype`; `compute_dtype` holds the resolved name): the fp32 master weights
+    are perturbed, restored and updated as always; with bf16 compute the generator casts the perturbed
+    master into a bf16 copy once per member (`HFBackend`'s compute copy), so restore stays exact and the
+    update fp32. `compute_dtype` given: use it (a resume or a replica pins what its run resolved).
     """
 
-    def __init__(self, model, tokenizer, task, config: ESConfig):
+    def __init__(self, model, tokenizer, task, config: ESConfig, compute_dtype: str | None = None):
         self.model, self.tok, self.task, self.config = model, tokenizer, task, config
         self.params, _ = select_params(model, config.params)
         self.n_noise = config.population // 2 if config.antithetic else config.population
-        self.generator = HFBackend(model, tokenizer, chat_template=config.chat_template)
+        self.compute_dtype = es_compute_dtype(config, model, compute_dtype)
+        # (weights loaded in bf16/fp16 generate as they are, whatever HFBackend's compute dtype says)
+        self.generator = HFBackend(model, tokenizer, chat_template=config.chat_template,
+                                   compute_dtype="bf16" if self.compute_dtype == "bf16" else "fp32")
         self.max_new_tokens = config.max_new_tokens or task.max_new_tokens
         self.n_trained = sum(p.numel() for _, _, p in self.params)
         # blocks: (param position j, flat view of the block, global block id)
@@ -128,43 +185,39 @@ class ESEngine:
             self.first_block.append(offsets[index])
             for c in range(max(1, math.ceil(p.numel() / self.chunk))):
                 self.blocks.append((j, flat[c * self.chunk:(c + 1) * self.chunk], offsets[index] + c))
-        # low-rank noise (deltalens.training.es.lowrank) takes the 2-D tensors; dense ε stays on the others
-        self.lowrank = None
-        self.dense_blocks = self.blocks
-        if config.noise == "lowrank":
-            self.lowrank = LowRankNoise(self)
-            self.dense_blocks = [blk for blk in self.blocks if self.params[blk[0]][2].dim() != 2]
+        # the noise family (config.noise); a family may take whole tensors (low rank: the 2-D ones), the
+        # blocks of the others are drawn block by block
+        self.family = make_family(config.noise, config.seed, self.n_noise, self.n_blocks, config=config)
+        taken = self.family.bind([(j, name, p, self.first_block[j]) for j, (_, name, p) in enumerate(self.params)])
+        self.dense_blocks = [blk for blk in self.blocks if blk[0] not in taken]
+        self.lowrank = self.family if taken else None  # the family's whole-tensor part (items, factors)
         threads = config.noise_threads or torch.get_num_threads()
-        self._pool = None
+        pool = None
         if threads > 1 and self.n_trained >= PARALLEL_MIN and len(self.blocks) > 1:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="es-noise")
-        self._tls = threading.local()  # per-thread fp32 buffers (noise, update accumulator)
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="es-noise")
+        self.perturber = Perturber(self.family, self.dense_blocks, pool)
         self._base: list[torch.Tensor] | None = None  # exact copies of the trained tensors (restore=copy)
         # arithmetic="reference": Qiu et al.'s script's noise layout and arithmetic (deltalens.training.es.reference)
         self.reference = ReferenceArithmetic(self) if config.arithmetic == "reference" else None
         self.member_buffers: dict[int, torch.Tensor] = {}  # population batching: stacked member tensors
 
-    # -- noise
-    def _buffer(self, name: str, numel: int) -> torch.Tensor:
-        buf = getattr(self._tls, name, None)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, min(self.chunk, max(b.numel() for _, b, _ in self.blocks))))
-            setattr(self._tls, name, buf)
-        return buf[:numel]
+    @property
+    def _pool(self):
+        return self.perturber.pool
 
+    # -- noise
     def _noise(self, iteration: int, k: int, block: int, numel: int) -> torch.Tensor:
-        """ε of (iteration, noise vector k, block): `numel` fp32 N(0, 1) values in a per-thread buffer."""
-        return draw_noise(self.config.seed, iteration, k, block, self.n_noise, self.n_blocks,
-                          self._buffer("noise", numel))
+        """ε of (iteration, noise vector k, block): `numel` fp32 values in a per-thread buffer."""
+        return self.perturber.noise(iteration, k, block, numel)
 
     def noise_of(self, iteration: int, k: int, name: str) -> torch.Tensor:
         """The whole ε_k of one trained tensor (a fresh tensor; for tests and analysis); with low-rank
         noise, E_k = A Bᵀ / √r for 2-D tensors (what `perturb` adds, up to rounding)."""
         j = next(j for j, (_, n, _) in enumerate(self.params) if n == name)
-        if self.lowrank is not None and self.params[j][2].dim() == 2:
-            return self.lowrank.dense(iteration, k, j)
+        if any(item[0] == j for item in self.family.items):
+            return self.family.dense(iteration, k, j)
         parts = [self._noise(iteration, k, b, flat.numel()).clone() for jj, flat, b in self.blocks if jj == j]
         return torch.cat(parts).view(self.params[j][2].shape)
 
@@ -174,35 +227,10 @@ class ESEngine:
         return [noise_seed(self.config.seed, iteration, member_noise(i, self.config.antithetic)[0], first,
                            self.n_noise, self.n_blocks) for i in range(self.config.population)]
 
-    def _map_blocks(self, fn, timing: dict | None, noise_key: str, other_key: str) -> list:
-        """Run fn(block) -> (noise seconds, other seconds, value) over all blocks (pooled if enabled);
-        the wall time is attributed to the two timing keys in proportion to the per-block seconds."""
-        t0 = time.perf_counter()
-        blocks = self.dense_blocks
-        results = list(self._pool.map(fn, blocks)) if self._pool else [fn(b) for b in blocks]
-        wall = time.perf_counter() - t0
-        if timing is not None:
-            noise = sum(r[0] for r in results)
-            other = sum(r[1] for r in results)
-            share = noise / (noise + other) if noise + other > 0 else 0.0
-            timing[noise_key] += wall * share
-            timing[other_key] += wall * (1 - share)
-        return [r[2] for r in results]
-
-    def _shift(self, iteration: int, k: int, s: float, block) -> tuple[float, float, None]:
-        """block += s·ε_k (fp32 arithmetic, rounded once to the weight dtype)."""
-        _, flat, b = block
-        t0 = time.perf_counter()
-        eps = self._noise(iteration, k, b, flat.numel())
-        t1 = time.perf_counter()
-        add_scaled(flat, eps.to(flat.device), s)
-        return t1 - t0, time.perf_counter() - t1, None
-
-    def _shift_all(self, iteration: int, k: int, s: float, timing: dict) -> None:
-        """θ += s·ε_k over every trained tensor (low-rank E_k on 2-D tensors when noise="lowrank")."""
-        self._map_blocks(lambda blk: self._shift(iteration, k, s, blk), timing, "noise_s", "perturb_restore_s")
-        if self.lowrank is not None:
-            self.lowrank.shift(iteration, k, s, timing)
+    def compute_model(self) -> torch.nn.Module:
+        """The module members generate on: the master itself, or the generator's compute copy refreshed
+        from the master (one cast; population batching runs its member forwards on it)."""
+        return self.generator._runner()
 
     # -- perturb / restore (timings accumulate into `timing`)
     @torch.no_grad()
@@ -214,7 +242,7 @@ class ESEngine:
         k, sign = member_noise(member, self.config.antithetic)
         if self.config.restore == "copy" and self._base is None:
             self._base = [p.detach().clone() for _, _, p in self.params]
-        self._shift_all(iteration, k, sign * self.config.sigma, timing)
+        self.perturber.shift(iteration, k, sign * self.config.sigma, timing)
 
     @torch.no_grad()
     def restore(self, iteration: int, member: int, timing: dict) -> None:
@@ -229,7 +257,7 @@ class ESEngine:
             self.reference.shift(iteration, member, -self.config.sigma, timing)
             return
         k, sign = member_noise(member, self.config.antithetic)
-        self._shift_all(iteration, k, -sign * self.config.sigma, timing)
+        self.perturber.shift(iteration, k, -sign * self.config.sigma, timing)
 
     # -- rewards
     def sampling_params(self):
@@ -263,28 +291,15 @@ class ESEngine:
     # -- update
     @torch.no_grad()
     def update(self, iteration: int, z: Sequence[float]) -> dict:
-        """θ ← θ + (α/N) Σ_i z_i ε_i: per block, one pass over the noise vectors into an fp32
-        accumulator, rounded to the weight dtype once. Returns timings and the update's RMS."""
+        """θ ← θ + (α/N) Σ_i z_i ε_i (`Perturber.update`: per block one fp32 accumulator over the noise
+        vectors, rounded to the weight dtype once). Returns timings and the update's RMS."""
         cfg = self.config
         if self.reference is not None:
             return self.reference.update(iteration, z)
         coeff = noise_coefficients(z, self.n_noise, cfg.antithetic)
-        scale = cfg.alpha / cfg.population
-
-        def block_update(block):
-            _, flat, b = block
-            t_start = time.perf_counter()
-            acc = self._buffer("acc", flat.numel())
-            noise_s = accumulate_noise(acc, coeff, scale, lambda k: self._noise(iteration, k, b, flat.numel()))
-            sq = float(acc.double().square().sum())
-            add_scaled(flat, acc.to(flat.device), 1.0)
-            return noise_s, time.perf_counter() - t_start - noise_s, sq
-
         timing = {"update_noise_s": 0.0, "update_apply_s": 0.0}
         t0 = time.perf_counter()
-        sq = sum(self._map_blocks(block_update, timing, "update_noise_s", "update_apply_s"))  # fixed order
-        if self.lowrank is not None:
-            sq += self.lowrank.update(iteration, coeff, scale, timing)
+        sq = self.perturber.update(iteration, coeff, cfg.alpha / cfg.population, timing)
         if self._base is not None:
             for (_, _, p), base in zip(self.params, self._base):
                 base.copy_(p)
@@ -295,9 +310,9 @@ class ESEngine:
         return weights_checksum(self.model)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        if self.perturber.pool is not None:
+            self.perturber.pool.shutdown()
+            self.perturber.pool = None
 
 
 def new_timing() -> dict:

@@ -14,7 +14,8 @@ scaled copy of one random vector, which is not what ES needs there. EGGROLL does
 
 Seeds: the factors of (iteration, noise vector k, tensor) come from one CPU generator seeded with
 `noise_seed(seed, iteration, k, b, K, n_blocks)`, b = the tensor's first block id (the numbering full-rank
-noise uses), A drawn first, then B. So they are unique within a run and regenerated, never stored: the
+noise uses), A drawn first, then B. `LowRankNoise` is a noise family (`deltalens.training.es.noise`): it
+takes the 2-D tensors whole (`bind`) and leaves the others to the Gaussian blocks it inherits. So they are unique within a run and regenerated, never stored: the
 sequential engine (`ESEngine.perturb` materialises W += sign·σ/√r · A Bᵀ in place, restore copies the
 base back, exactly), the population-batched path (`deltalens.training.es.population`, which never forms W + σE) and
 `deltalens.analysis.diversity` (members rebuilt from seeds) all see the same noise.
@@ -34,34 +35,42 @@ import time
 
 import torch
 
-from deltalens.training.es.strategy import noise_seed
+from deltalens.training.es.noise import GaussianNoise, register
 
 
-class LowRankNoise:
-    """Low-rank noise of one `ESEngine`'s trained 2-D tensors (the engine handles the other tensors).
+@register
+class LowRankNoise(GaussianNoise):
+    """Low-rank noise (`ESConfig(noise="lowrank", rank=r)`): a noise family that takes every trained 2-D
+    tensor whole (`bind`) and leaves the others to the Gaussian blocks of its base class.
 
-    `items`: (position j in engine.params, name, tensor, block id) of each low-rank tensor.
+    `items`: (position j among the trained tensors, name, tensor, first block id) of each low-rank tensor.
     """
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.rank = engine.config.rank
-        self.items = [(j, name, p, engine.first_block[j]) for j, (_, name, p) in enumerate(engine.params)
-                      if p.dim() == 2]
-        self.scale = 1.0 / math.sqrt(self.rank)  # E = A Bᵀ / √r
+    name = "lowrank"
+
+    def __init__(self, seed: int, n_noise: int, n_blocks: int, rank: int = 1):
+        super().__init__(seed, n_noise, n_blocks)
+        self.rank = rank
+        self.scale = 1.0 / math.sqrt(rank)  # E = A Bᵀ / √r
+
+    @classmethod
+    def options(cls, config) -> dict:
+        return {"rank": config.rank}
+
+    def bind(self, tensors) -> set[int]:
+        self.items = [(j, name, p, block) for j, name, p, block in tensors if p.dim() == 2]
+        return {j for j, _, _, _ in self.items}
 
     def factors(self, iteration: int, k: int, item) -> tuple[torch.Tensor, torch.Tensor]:
         """(A [out, r], B [in, r]) fp32 of noise vector k for one item, from its seed."""
         _, _, p, block = item
-        e = self.engine
-        gen = torch.Generator().manual_seed(
-            noise_seed(e.config.seed, iteration, k, block, e.n_noise, e.n_blocks))
+        gen = self.generator(iteration, k, block)
         a = torch.randn(p.shape[0], self.rank, generator=gen)
         b = torch.randn(p.shape[1], self.rank, generator=gen)
         return a, b
 
     def dense(self, iteration: int, k: int, j: int) -> torch.Tensor:
-        """E_k = A Bᵀ / √r of engine.params[j] as a dense fp32 tensor (tests, diversity)."""
+        """E_k = A Bᵀ / √r of trained tensor j as a dense fp32 tensor (tests, diversity)."""
         item = next(it for it in self.items if it[0] == j)
         a, b = self.factors(iteration, k, item)
         return (a @ b.T).mul_(self.scale)  # on the CPU, like `ESEngine.noise_of`
@@ -106,6 +115,22 @@ class LowRankNoise:
                 w.addmm_(a_cat, b_cat.T, alpha=alpha)
             else:
                 w.copy_(w.float().addmm_(a_cat, b_cat.T, alpha=alpha))
-            timing["update_noise_s"] += t1 - t0
-            timing["update_apply_s"] += time.perf_counter() - t1
+            timing["update_noise_s"] = timing.get("update_noise_s", 0.0) + t1 - t0
+            timing["update_apply_s"] = timing.get("update_apply_s", 0.0) + time.perf_counter() - t1
         return sq
+
+    def member_factors(self, iteration: int, users, count: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Per item j: (A [count, out, r] = s/√r·A_k, B [count, in, r] = B_k) fp32 on the CPU, row g of
+        member (g, s) of users[k]: the batched forward adds (x B_g)(A_g)ᵀ to the shared x Wᵀ."""
+        out = {}
+        for item in self.items:
+            p = item[2]
+            a_st = torch.empty(count, p.shape[0], self.rank)
+            b_st = torch.empty(count, p.shape[1], self.rank)
+            for k, rows in users.items():
+                a, b = self.factors(iteration, k, item)
+                for g, s in rows:
+                    a_st[g] = a * (s * self.scale)
+                    b_st[g] = b
+            out[item[0]] = (a_st, b_st)
+        return out

@@ -22,9 +22,15 @@ stops costing compute within SEGMENT tokens (rows that ended inside a member sti
 on), and each member keeps its B rows, so the arithmetic per row does not change.
 
 Which members and which noise: the local backend (`deltalens.training.es.backends.local`) sends each
-group of `population_batch` members here. Noise is the engine's, from the same seeds (`ESEngine._noise` blocks for dense ε,
-`deltalens.training.es.lowrank.LowRankNoise.factors` for A, B), antithetic signs included; the update is
-`ESEngine.update` either way (it depends only on the rewards).
+group of `population_batch` members here. Noise is the engine's noise family, from the same seeds
+(`deltalens.training.es.noise`: the dense rows through `ESEngine.perturber`, the low-rank factors from
+`LowRankNoise.member_factors`), antithetic signs included; the update is `ESEngine.update` either way
+(it depends only on the rewards).
+
+Compute dtype: members run on `ESEngine.compute_model()`, the master itself (fp32 compute) or the
+generator's bf16 copy, cast from the master once per iteration. Full-rank rows are then built in fp32
+from the fp32 master and rounded once to bf16 (the bits the sequential path generates with: perturb
+the master in fp32, cast once); low-rank keeps W in bf16 and adds the rank-r term in bf16.
 
 Equality with the one-member-at-a-time loop (greedy decoding, the ES default):
 - full rank: each stacked W + σε_i is built with the very op `ESEngine.perturb` applies (same blocks,
@@ -71,7 +77,7 @@ from torch import nn
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs
 from deltalens.generation.prompts import problem_prompts
-from deltalens.training.es.strategy import add_scaled, member_noise
+from deltalens.training.es.strategy import member_noise
 
 # ----------------------------------------------------------------------------------------------
 # per-member tensors
@@ -94,10 +100,11 @@ def available_memory(device: torch.device) -> int | None:
         return None
 
 
-def check_stack_memory(engine, group_size: int) -> None:
-    """Refuse a full-rank stack of `group_size` members that does not fit in the free memory."""
+def check_stack_memory(engine, group_size: int, dtype: torch.dtype | None = None) -> None:
+    """Refuse a full-rank stack of `group_size` members (in `dtype`, default the weights') that does not
+    fit in the free memory."""
     tensors = {j for j, _, _ in engine.dense_blocks}
-    per_member = sum(engine.params[j][2].numel() * engine.params[j][2].element_size() for j in tensors)
+    per_member = sum(engine.params[j][2].numel() * (dtype or engine.params[j][2].dtype).itemsize for j in tensors)
     free = available_memory(engine.params[0][2].device)
     # G stacked copies, plus up to G - 1 more while `Members.retire` gathers the survivors of a batch
     need = (2 * group_size - 1) * per_member
@@ -110,65 +117,67 @@ def check_stack_memory(engine, group_size: int) -> None:
                          f"{free / 1e9:.1f} GB is free; use {hint} or --noise lowrank")
 
 
+def _runner_params(engine, runner: nn.Module) -> dict[tuple, list[torch.Tensor]]:
+    """`_key` of each master parameter -> the parameters of `runner` that stand for it (the master's own
+    when runner is the master; the compute copy's, same order as `sync_copy` pairs them, otherwise)."""
+    out: dict[tuple, list[torch.Tensor]] = {}
+    for p, q in zip(engine.model.parameters(), runner.parameters(), strict=True):
+        targets = out.setdefault(_key(p), [])
+        if all(q is not t for t in targets):
+            targets.append(q)
+    return out
+
+
 @torch.no_grad()
-def member_weights(engine, iteration: int, members: Sequence[int], timing: dict) -> dict:
-    """The per-member tensors of `members` (in order), keyed by `_key(parameter)`:
-    a stacked [G, *shape] tensor (dense noise), or (A, B) with A [G, out, r] = ±σ/√r·A_k, B [G, in, r]
-    (low-rank noise). Dense stacks are built block by block with `ESEngine`'s own noise and arithmetic."""
+def member_weights(engine, iteration: int, members: Sequence[int], timing: dict,
+                   runner: nn.Module | None = None) -> dict:
+    """The per-member tensors of `members` (in order), keyed by `_key` of the parameters of `runner` (the
+    module that generates: default the master; with bf16 compute the engine's compute copy): a stacked
+    [G, *shape] tensor (dense noise), or (A, B) with A [G, out, r] = ±σ/√r·A_k, B [G, in, r] (low-rank
+    noise), in runner's dtype. Dense rows are θ + s·ε_k of the engine's noise family through its
+    `Perturber` (fp32, rounded once to the row dtype: the bits the sequential path generates with)."""
     cfg = engine.config
+    runner = engine.model if runner is None else runner
+    targets = _runner_params(engine, runner)
     g_size = len(members)
-    users: dict[int, list[tuple[int, int]]] = {}  # noise vector k -> [(row g, sign)]
+    users: dict[int, list[tuple[int, float]]] = {}  # noise vector k -> [(row g, ±σ)]
     for g, m in enumerate(members):
         k, sign = member_noise(m, cfg.antithetic)
-        users.setdefault(k, []).append((g, sign))
+        users.setdefault(k, []).append((g, sign * cfg.sigma))
     t0 = time.perf_counter()
     buffers = engine.member_buffers  # allocated once (population_batch rows), reused by every group
     dense = sorted({j for j, _, _ in engine.dense_blocks})
-    if any(j not in buffers or len(buffers[j]) < g_size for j in dense):
+
+    def dtype_of(j: int) -> torch.dtype:
+        return targets[_key(engine.params[j][2])][0].dtype
+
+    if any(j not in buffers or len(buffers[j]) < g_size or buffers[j].dtype != dtype_of(j) for j in dense):
         rows = max(g_size, cfg.population_batch)
         buffers.clear()
-        if engine.lowrank is None:
-            check_stack_memory(engine, rows)
+        if not engine.family.items:
+            check_stack_memory(engine, rows, dtype_of(dense[0]) if dense else None)
         for j in dense:
             p = engine.params[j][2]
-            buffers[j] = torch.empty((rows, *p.shape), dtype=p.dtype, device=p.device)
-    stacks = {}
-    for j in dense:
-        p = engine.params[j][2].detach()
-        stacks[j] = buffers[j][:g_size]
-        stacks[j].copy_(p.expand(g_size, *p.shape))
+            buffers[j] = torch.empty((rows, *p.shape), dtype=dtype_of(j), device=p.device)
+    stacks = {j: buffers[j][:g_size] for j in dense}
     timing["perturb_restore_s"] += time.perf_counter() - t0
 
-    def fill(block):
-        j, flat, b = block
+    def row(block, g):  # row g's copy of the block
+        j, flat, _ = block
         p = engine.params[j][2]
-        off, n = (flat.data_ptr() - p.data_ptr()) // p.element_size(), flat.numel()
-        noise_s, other_s = 0.0, 0.0
-        for k, rows in users.items():
-            t1 = time.perf_counter()
-            eps = engine._noise(iteration, k, b, n).to(p.device)
-            t2 = time.perf_counter()
-            for g, sign in rows:  # the op of ESEngine._shift, on row g's copy of the block
-                add_scaled(stacks[j][g].view(-1)[off:off + n], eps, sign * cfg.sigma)
-            noise_s, other_s = noise_s + t2 - t1, other_s + time.perf_counter() - t2
-        return noise_s, other_s, None
+        off = (flat.data_ptr() - p.data_ptr()) // p.element_size()
+        return stacks[j][g].view(-1)[off:off + flat.numel()]
 
-    engine._map_blocks(fill, timing, "noise_s", "perturb_restore_s")
-    out = {_key(engine.params[j][2]): st for j, st in stacks.items()}
-    if engine.lowrank is not None:
-        lr = engine.lowrank
-        for item in lr.items:
-            t1 = time.perf_counter()
-            p = item[2]
-            a_st = torch.empty(g_size, p.shape[0], lr.rank)
-            b_st = torch.empty(g_size, p.shape[1], lr.rank)
-            for k, rows in users.items():
-                a, b = lr.factors(iteration, k, item)
-                for g, sign in rows:
-                    a_st[g] = a * (sign * cfg.sigma * lr.scale)
-                    b_st[g] = b
-            out[_key(p)] = (a_st.to(device=p.device, dtype=p.dtype), b_st.to(device=p.device, dtype=p.dtype))
-            timing["noise_s"] += time.perf_counter() - t1
+    engine.perturber.members(iteration, users, row, timing)
+    out = {}
+    for j, st in stacks.items():
+        for q in targets[_key(engine.params[j][2])]:
+            out[_key(q)] = st
+    t1 = time.perf_counter()
+    for j, (a_st, b_st) in engine.family.member_factors(iteration, users, g_size).items():
+        for q in targets[_key(engine.params[j][2])]:
+            out[_key(q)] = (a_st.to(device=q.device, dtype=q.dtype), b_st.to(device=q.device, dtype=q.dtype))
+    timing["noise_s"] += time.perf_counter() - t1
     return out
 
 
@@ -304,7 +313,7 @@ def _cache_name() -> str:
 
 @torch.no_grad()
 def generate_replicated(generator, prompts: list[str], replicas: int, params, members: Members | None = None,
-                        segment: int | None = SEGMENT) -> list[list[str]]:
+                        segment: int | None = SEGMENT, model: nn.Module | None = None) -> list[list[str]]:
     """out[g][i]: the completion of prompt i by replica g (one completion per prompt).
 
     The prompts are cut into the batches `HFBackend.generate` makes (sorted by length, same size bound,
@@ -313,12 +322,13 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
     `generate` call, continuing from the returned KV cache (the same arithmetic as one call); between
     calls the replicas whose rows have all ended are retired (rows, cache and `members` cut down), so
     a member that ends early stops costing compute, as it would alone. segment=None: one call.
+    `model`: the module that generates (default generator.model; the engine's compute copy in bf16).
     """
     from transformers.utils import logging as hf_logging
 
     if params.n != 1:
         raise DeltalensError("population batching generates one completion per prompt (n = 1)")
-    tok, model = generator.tok, generator.model
+    tok, model = generator.tok, generator.model if model is None else model
     enc = generator.encode(prompts)
     out = [[""] * len(prompts) for _ in range(replicas)]
     device = next(model.parameters()).device
@@ -377,13 +387,16 @@ def evaluate_batched(engine, iteration: int, members: Sequence[int], problems,
     size = engine.config.population_batch
     prompts = problem_prompts(problems, engine.generator.chat)
     out = {}
+    t0 = time.perf_counter()
+    runner = engine.compute_model()  # the master, or its compute copy cast from it once here
+    timing["generation_s"] += time.perf_counter() - t0  # as the sequential path's cast, inside generate
     for start in range(0, len(members), size):
         group = members[start:start + size]
-        weights = member_weights(engine, iteration, group, timing)
+        weights = member_weights(engine, iteration, group, timing, runner)
         t0 = time.perf_counter()
-        with member_modules(engine.model, Members(weights, len(group))) as live:
+        with member_modules(runner, Members(weights, len(group))) as live:
             completions = generate_replicated(engine.generator, prompts, len(group), engine.sampling_params(),
-                                              live, segment=SEGMENT)
+                                              live, segment=SEGMENT, model=runner)
         for g, m in enumerate(group):
             out[m] = engine.mean_reward(completions[g], problems)
         timing["generation_s"] += time.perf_counter() - t0

@@ -7,6 +7,11 @@ checksum, timings); a checkpoint every `checkpoint_every` iterations and at the 
 each row is mirrored to TensorBoard / W&B in the run directory (`deltalens.training.tracking`: reward
 mean/std, the members' rewards as a histogram, the update's RMS and norm, validation Pass@1, timings).
 
+Compute dtype: `compute_dtype` auto is resolved once, when the run starts (`es_compute_dtype`), and the
+result is recorded in every metrics row and in state.json (`compute_dtype`: "fp32", "bf16", ...); a
+resume generates in the recorded dtype, so the trajectory does not depend on the machine it resumes
+on. A run from before the option has none recorded: it generated in its weight dtype, and resumes so.
+
 Exact resume: the state of a run is (seed, step) plus the weights (evosax style), so a checkpoint and
 its checksum resume a killed run bit-identically; settings that decide the trajectory may not change.
 """
@@ -88,9 +93,10 @@ def _train(run: RunDir, config: ESConfig, task, engine: ESEngine | None, resume:
     if start == config.iterations:
         return run.path
 
-    if engine is None:  # a resume: the engine starts from the latest checkpoint
+    if engine is None:  # a resume: the engine starts from the latest checkpoint, in the run's compute dtype
         model, tok = load_model(model_spec, dtype=config.dtype, device=config.device)
-        engine = ESEngine(model, tok, task, config)
+        pinned = (state.get("compute_dtype") or "fp32") if state and start > 0 else None
+        engine = ESEngine(model, tok, task, config, compute_dtype=pinned)
     if state and state.get("checksum") and start > 0 and engine.checksum() != state["checksum"]:
         raise DeltalensError(f"checkpoint {model_spec} does not match the checksum in state.json; "
                              "it was modified or is corrupt: restore it or start a new run")
@@ -121,7 +127,7 @@ def _loop(run: RunDir, config: ESConfig, engine: ESEngine, backend, start: int, 
         run.log(row)
         tracker.log_row(row, extra={"train/update_norm": row["update_rms"] * norm,
                                     "train/units": es_units(it, config.prompts_per_iteration, config.population)})
-        st = ESState(config.seed, it, row["checksum"])
+        st = ESState(config.seed, it, row["checksum"], {"compute_dtype": engine.compute_dtype})
         if it == config.iterations:
             run.save(model, tok, "final", st.to_dict(), save_pt=config.save_pt)
         elif config.checkpoint_every and it % config.checkpoint_every == 0:
@@ -153,6 +159,7 @@ def _iteration(engine: ESEngine, backend, it: int) -> dict:
         "seeds": engine.member_seeds(it),
         "update_rms": upd["update_rms"],
         "checksum": upd["checksum"],
+        "compute_dtype": engine.compute_dtype,
         "timing": {k: round(v, 4) for k, v in timing.items()},
         **({"workers": upd["workers"]} if "workers" in upd else {}),
     }

@@ -7,10 +7,10 @@
 
 Per iteration the driver sends only (iteration, member id) to actors and gathers one float per member;
 each replica derives the prompts and the noise from (seed, iteration, member), exactly as the local
-backend does. After the rewards are in, the driver sends the shaped fitness z (N floats) to every
-actor; every replica, the driver's included, applies the same update from (seeds, z), and the weight
-checksums (blake2b of every parameter's bytes) must all agree: no weights cross the network during
-training. Members are handed out one at a time to whichever actor is idle, so results are keyed by
+backend does, and generates in the driver's resolved compute dtype (`ESEngine.compute_dtype`). After
+the rewards are in, the driver sends the shaped fitness z (N floats) to every actor; every replica,
+the driver's included, applies the same update from (seeds, z), and the weight checksums (blake2b of
+every parameter's bytes) must all agree: no weights cross the network during training. Members are handed out one at a time to whichever actor is idle, so results are keyed by
 member, not by actor, and a run gives the same weights as the in-process backend, bit for bit (the
 forward pass must be deterministic on every replica: same code, same threads, same CPU kind).
 
@@ -195,11 +195,13 @@ def start_reaper() -> tuple[subprocess.Popen, int] | None:
 class ESWorker:
     """Actor body: one model replica (an `ESEngine`)."""
 
-    def __init__(self, config: dict, model_spec: str, threads: int, fail_at: tuple[int, int] | None = None):
+    def __init__(self, config: dict, model_spec: str, threads: int, fail_at: tuple[int, int] | None = None,
+                 compute_dtype: str | None = None):
         torch.set_num_threads(threads)
         cfg = ESConfig.from_dict(config)
         model, tok = load_model(model_spec, dtype=cfg.dtype)
-        self.engine = ESEngine(model, tok, make_task(cfg), cfg)
+        # the driver's resolved compute dtype: an `auto` resolved per node could differ between replicas
+        self.engine = ESEngine(model, tok, make_task(cfg), cfg, compute_dtype=compute_dtype)
         self.fail_at = tuple(fail_at) if fail_at else None  # test hook: die at (iteration, member)
 
     def checksum(self) -> str:
@@ -289,7 +291,7 @@ class RayBackend:
         wid = self._next_id
         self._next_id += 1
         self.workers[wid] = self._actor_cls.remote(self.cfg.to_dict(), self.model_spec,
-                                                   self.cfg.threads_per_worker, fail_at)
+                                                   self.cfg.threads_per_worker, fail_at, self.engine.compute_dtype)
         return wid
 
     def _replace(self, wid: int) -> None:

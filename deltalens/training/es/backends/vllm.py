@@ -8,13 +8,14 @@ process through the worker-extension API:
     llm.collective_rpc("es_perturb", args=(iteration, member))  ... generate ...  "es_restore"
 
 The extension (`FusedES`) regenerates, for each trained HF parameter, exactly the noise the HF path
-draws (`deltalens.training.es.strategy.draw_noise`: same seed, same CPU generator, same 4M-element
-blocks) and writes it into the slice of vLLM's fused tensor that holds that parameter
+draws (the run's noise family, `deltalens.training.es.noise`: same seed, same CPU generator, same
+4M-element blocks) and writes it into the slice of vLLM's fused tensor that holds that parameter
 (`deltalens.generation.vllm_layout`: q/k/v inside qkv_proj, gate/up inside gate_up_proj, the embedding
-inside its padded vocabulary, tied lm_head = embedding). Arithmetic matches `ESEngine` op for op:
-perturbation θ + s·ε in fp32 rounded once to the weight dtype; the update accumulated on the CPU in fp32
-(the very same ops as `ESEngine`) and added once. Restore copies back a base copy of the trained slices
-(kept on the GPU).
+inside its padded vocabulary, tied lm_head = embedding). Arithmetic is `ESEngine`'s, by the same code
+(`noise.Perturber` over blocks that are views into the fused tensors): perturbation θ + s·ε in fp32
+rounded once to the weight dtype; the update accumulated on the CPU in fp32 and added once. Restore
+copies back a base copy of the trained slices (kept on the GPU). vLLM computes in the dtype it loads
+(`--dtype`): `--compute-dtype bf16` is refused with this backend (`ESConfig`).
 
 That is the GPU way: there vLLM's linear layers multiply by their parameter tensors, so writing into them
 changes the model. vLLM's CPU build repacks every linear weight after loading and computes with the packed
@@ -33,7 +34,6 @@ import hashlib
 import math
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 
@@ -46,13 +46,8 @@ from deltalens.generation.vllm import VLLMBackend
 from deltalens.generation.vllm_layout import arch
 from deltalens.io.models import apply_state_dict
 from deltalens.training.es.engine import PARALLEL_MIN, new_timing
-from deltalens.training.es.strategy import (
-    accumulate_noise,
-    draw_noise,
-    iteration_problems,
-    member_noise,
-    noise_coefficients,
-)
+from deltalens.training.es.noise import Perturber, make_family
+from deltalens.training.es.strategy import iteration_problems, member_noise, noise_coefficients
 
 EXTENSION = "deltalens.training.es.backends.vllm.ESWorkerExtension"
 
@@ -86,6 +81,7 @@ def es_plan(engine, threads: int = 0) -> dict:
         every.append([name, list(p.shape)])
     return {"version": 1, "hf_config": layout_config(model.config), "seed": cfg.seed, "n_noise": engine.n_noise,
             "n_blocks": engine.n_blocks, "chunk": engine.chunk, "sigma": cfg.sigma, "alpha": cfg.alpha,
+            "noise": cfg.noise, "noise_options": engine.family.options(cfg),
             "population": cfg.population, "antithetic": cfg.antithetic, "restore": cfg.restore,
             "dtype": str(engine.params[0][2].dtype), "trained": trained, "all": every, "threads": threads}
 
@@ -139,64 +135,34 @@ class FusedES:
         self.trained = [name for name, _, _ in plan["trained"]]
         self.device = self.blocks[0][1].device
         self.n_trained = sum(self.views[n].numel() for n in self.trained)
-        self._max_block = max(b.numel() for _, b, _ in self.blocks)
+        # the driver's noise family; it must draw every block (whole-tensor noise has no fused form here)
+        self.family = make_family(plan.get("noise", "full"), self.seed, self.n_noise, self.n_blocks,
+                                  options=plan.get("noise_options", {}))
+        first = {name: ids[0] for name, _, ids in plan["trained"]}
+        if self.family.bind([(n, n, self.views[n].view(self.shapes[n]), first[n]) for n in self.trained]):
+            raise DeltalensError(f"noise {self.family.name!r} takes whole tensors; ES with vLLM draws block "
+                                 "noise only (use --backend local)")
         if not threads or threads <= 0:
             threads = plan.get("threads") or _cpu_count()
-        self._pool = None
+        pool = None
         if threads > 1 and len(self.blocks) > 1 and self.n_trained >= PARALLEL_MIN:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="es-vllm-noise")
-        self._tls = threading.local()
+            pool = ThreadPoolExecutor(threads, thread_name_prefix="es-vllm-noise")
+        self.perturber = Perturber(self.family, self.blocks, pool)  # θ + s·ε and the update, as ESEngine
         self._base: dict[str, torch.Tensor] | None = None
 
-    # -- buffers and noise
-    def _buf(self, key: str, numel: int, device=None) -> torch.Tensor:
-        buf = getattr(self._tls, key, None)
-        if buf is None:
-            dev = device if device is not None else torch.device("cpu")
-            pin = dev.type == "cpu" and self.device.type == "cuda"
-            buf = torch.empty(self._max_block, device=dev, pin_memory=pin)
-            setattr(self._tls, key, buf)
-        return buf[:numel]
+    @property
+    def _pool(self):
+        return self.perturber.pool
 
-    def _host_noise(self, iteration: int, k: int, block: int, numel: int) -> torch.Tensor:
-        return draw_noise(self.seed, iteration, k, block, self.n_noise, self.n_blocks, self._buf("noise", numel))
+    @_pool.setter
+    def _pool(self, pool) -> None:
+        self.perturber.pool = pool
 
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return host
-        dev = self._buf("dev", host.numel(), self.device)
-        dev.copy_(host)  # blocking: the host buffer is free again when this returns
-        return dev
-
-    def _map(self, fn) -> list:
-        results = list(self._pool.map(fn, self.blocks)) if self._pool else [fn(b) for b in self.blocks]
+    def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return results
-
-    @staticmethod
-    def _add(flat: torch.Tensor, eps: torch.Tensor, alpha: float | None = None) -> None:
-        """flat += alpha·eps in fp32, rounded once to flat's dtype (ESEngine's arithmetic)."""
-        kw = {} if alpha is None else {"alpha": alpha}
-        if flat.dtype == torch.float32:
-            flat.add_(eps, **kw)
-        else:
-            flat.copy_(flat.float().add_(eps, **kw))
-
-    def _shift(self, iteration: int, k: int, s: float) -> list[float]:
-        def one(block):
-            _, flat, b = block
-            t0 = time.perf_counter()
-            eps = self._host_noise(iteration, k, b, flat.numel())
-            t1 = time.perf_counter()
-            self._add(flat, self._to_device(eps), s)
-            return t1 - t0, time.perf_counter() - t1
-
-        t0 = time.perf_counter()
-        r = self._map(one)
-        return _split(time.perf_counter() - t0, r)
 
     # -- ES operations (each returns timings)
     @torch.no_grad()
@@ -205,8 +171,9 @@ class FusedES:
         k, sign = member_noise(member, self.antithetic)
         if self.restore_mode == "copy" and self._base is None:
             self._base = {n: self.views[n].clone() for n in self.trained}
-        noise_s, other_s = self._shift(iteration, k, sign * self.sigma)
-        return {"noise_s": noise_s, "perturb_restore_s": other_s}
+        timing = {"noise_s": 0.0, "perturb_restore_s": 0.0}
+        self.perturber.shift(iteration, k, sign * self.sigma, timing)
+        return timing
 
     @torch.no_grad()
     def restore(self, iteration: int, member: int) -> dict:
@@ -215,37 +182,25 @@ class FusedES:
             t0 = time.perf_counter()
             for n in self.trained:
                 self.views[n].copy_(self._base[n])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            self._sync()
             return {"noise_s": 0.0, "perturb_restore_s": time.perf_counter() - t0}
         k, sign = member_noise(member, self.antithetic)
-        noise_s, other_s = self._shift(iteration, k, -sign * self.sigma)
-        return {"noise_s": noise_s, "perturb_restore_s": other_s}
+        timing = {"noise_s": 0.0, "perturb_restore_s": 0.0}
+        self.perturber.shift(iteration, k, -sign * self.sigma, timing)
+        return timing
 
     @torch.no_grad()
     def update(self, iteration: int, z: Sequence[float]) -> dict:
-        """θ ← θ + (α/N) Σ_i z_i ε_i, accumulated per block on the CPU in fp32 exactly as `ESEngine.update`
-        (same ops, same order), then added to the weights once."""
+        """θ ← θ + (α/N) Σ_i z_i ε_i through the same `Perturber.update` as `ESEngine.update` (per block
+        on the CPU in fp32, same ops, same order), added to the weights once."""
         coeff = noise_coefficients(z, self.n_noise, self.antithetic)
-        scale = self.alpha / self.population
-
-        def one(block):
-            _, flat, b = block
-            t_start = time.perf_counter()
-            acc = self._buf("acc", flat.numel())
-            noise_s = accumulate_noise(acc, coeff, scale, lambda k: self._host_noise(iteration, k, b, flat.numel()))
-            sq = float(acc.double().square().sum())
-            self._add(flat, self._to_device(acc))
-            return noise_s, time.perf_counter() - t_start - noise_s, sq
-
+        timing = {"update_noise_s": 0.0, "update_apply_s": 0.0}
         t0 = time.perf_counter()
-        results = self._map(one)
+        sq = self.perturber.update(iteration, coeff, self.alpha / self.population, timing)
         if self._base is not None:
             for n in self.trained:
                 self._base[n].copy_(self.views[n])
-        sq = sum(r[2] for r in results)  # fixed block order
-        noise_s, _ = _split(time.perf_counter() - t0, [(r[0], r[1]) for r in results])
-        return {"update_s": time.perf_counter() - t0, "update_noise_s": noise_s,
+        return {"update_s": time.perf_counter() - t0, "update_noise_s": timing["update_noise_s"],
                 "update_rms": math.sqrt(sq / max(self.n_trained, 1))}
 
     # -- read-out
@@ -272,9 +227,9 @@ class FusedES:
         return path
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        if self.perturber.pool is not None:
+            self.perturber.pool.shutdown()
+            self.perturber.pool = None
         self._base = None
 
 
@@ -282,14 +237,6 @@ def _cpu_count() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def _split(wall: float, parts: list[tuple[float, float]]) -> tuple[float, float]:
-    """Wall time split between noise and other work in proportion to the per-block seconds."""
-    noise = sum(p[0] for p in parts)
-    other = sum(p[1] for p in parts)
-    share = noise / (noise + other) if noise + other > 0 else 0.0
-    return wall * share, wall * (1 - share)
 
 
 class ESWorkerExtension(vllm_weights.WeightsWorkerExtension):

@@ -1,0 +1,232 @@
+"""ES compute dtype (`ESConfig.compute_dtype`): members generate in bf16 or fp32, the fp32 master weights'
+bookkeeping never changes: perturb in fp32, restore exact, update in fp32; auto follows
+`deltalens.generation.dtype` (bf16 only on AMX-BF16 for hidden >= 512) and is pinned for a run's life."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from support import assert_same_weights, run_cli, small_llama, tiny_spec, weights
+
+from deltalens.errors import DeltalensError
+from deltalens.generation import dtype as cd
+from deltalens.io.models import weights_checksum
+from deltalens.training.es.config import COMPUTE_DTYPES, ESConfig
+from deltalens.training.es.engine import ESEngine, new_timing
+from deltalens.training.es.population import _key, member_weights
+from deltalens.training.es.strategy import iteration_problems
+from deltalens.training.es.train import train_es
+from deltalens.training.run import make_task
+
+FAST = {"population": 4, "prompts_per_iteration": 8, "sigma": 0.01, "alpha": 0.005, "eval_every": 0,
+        "checkpoint_every": 1, "max_new_tokens": 48, "antithetic": True}
+AMX = frozenset({"avx512_bf16", "amx_tile", "amx_bf16"})
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _engine(model, tok, **kw) -> ESEngine:
+    cfg = ESConfig(**{"max_new_tokens": 4, "prompts_per_iteration": 2, "population": 4, "sigma": 0.01, **kw})
+    return ESEngine(model, tok, make_task(cfg), cfg)
+
+
+def _trajectory(eng) -> list[str]:
+    """Master checksums through two iterations of perturb / restore / update with fixed z."""
+    out = []
+    for it in (1, 2):
+        for m in range(eng.config.population):
+            eng.perturb(it, m, new_timing())
+            out.append(weights_checksum(eng.model))
+            eng.restore(it, m, new_timing())
+            out.append(weights_checksum(eng.model))
+        eng.update(it, [0.5, -1.0, 1.5, -1.0])
+        out.append(weights_checksum(eng.model))
+    return out
+
+
+def test_config_values_and_refusals(tmp_path):
+    assert COMPUTE_DTYPES == cd.COMPUTE_DTYPES  # the torch-free copy of generation's names
+    assert ESConfig().compute_dtype == "auto" and "compute_dtype" in ESConfig.trajectory_fields()
+    with pytest.raises(DeltalensError, match="--compute-dtype"):
+        ESConfig(compute_dtype="fp16")
+    with pytest.raises(DeltalensError, match="weights loaded in bf16 generate in it"):
+        ESConfig(dtype="bf16", compute_dtype="fp32")
+    with pytest.raises(DeltalensError, match="vLLM computes in the dtype it loads"):
+        ESConfig(backend="vllm", compute_dtype="bf16")
+    ESConfig(dtype="bf16", compute_dtype="bf16")
+    ESConfig(backend="vllm", compute_dtype="fp32")
+    r = run_cli(["train", "es", "--model", "tiny", "--out", tmp_path / "run", "--backend", "vllm",
+                 "--compute-dtype", "bf16"])
+    assert r.exit_code == 2 and "error:" in r.output and "vLLM computes" in r.output
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("flags", "hidden", "want"), [
+    (frozenset(), 576, "fp32"),                             # no AMX: bf16 is not faster
+    (frozenset({"avx512f", "avx512_bf16"}), 576, "fp32"),   # bf16 instructions, no AMX
+    (AMX, 576, "bf16"),
+    (AMX, 32, "fp32"),                                      # narrow (tiny-sized) models stay fp32
+])
+def test_auto_follows_the_cpu_probe_and_the_width(monkeypatch, flags, hidden, want):
+    monkeypatch.setattr(cd, "cpu_flags", lambda: flags)
+    model, tok = small_llama(hidden=hidden, layers=1, heads=2, kv_heads=1, intermediate=64)
+    eng = _engine(model, tok)
+    assert eng.compute_dtype == want
+    assert eng.generator.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]
+    assert _engine(model, tok, compute_dtype="fp32").compute_dtype == "fp32"  # explicit: no probe
+    assert _engine(model, tok, compute_dtype="bf16").compute_dtype == "bf16"
+    assert _engine(model, tok, backend="vllm").compute_dtype == "fp32"  # vLLM: the weight dtype
+    bf, tok = small_llama(hidden=hidden, layers=1, heads=2, kv_heads=1, intermediate=64, dtype=torch.bfloat16)
+    assert _engine(bf, tok, dtype="bf16").compute_dtype == "bf16"  # bf16 weights generate as they are
+
+
+def test_the_tiny_model_resolves_to_fp32_even_with_amx(monkeypatch):
+    from deltalens.io.models import load_model
+
+    monkeypatch.setattr(cd, "cpu_flags", lambda: AMX)
+    model, tok = load_model(tiny_spec())
+    eng = _engine(model, tok)
+    assert eng.compute_dtype == "fp32"
+    eng.score(iteration_problems(eng.task, eng.config, 1))
+    assert eng.generator.compute_model is None  # fp32: generation runs on the master itself, no copy
+
+
+def test_fp32_trajectory_is_a_known_answer_and_bf16_compute_does_not_change_it():
+    """Perturb / restore / update of the master are the same with either compute dtype; the checksums
+    after each update are the ones the code gave before the compute dtype existed (commit c973f13)."""
+    runs = {c: _trajectory(_engine(*small_llama(), compute_dtype=c, sigma=1.5e-3)) for c in ("fp32", "bf16")}
+    assert runs["fp32"] == runs["bf16"]
+    assert runs["fp32"][8] == "3a99d8595087cbecac631590e15a5e11"  # after update 1
+    assert runs["fp32"][17] == "22ac6c60c28939d715a6f1de6b94e40a"  # after update 2
+    assert len(set(runs["fp32"][:8:2])) == 4  # the members differ from each other
+
+
+def test_bf16_members_generate_on_a_cast_of_the_perturbed_master_and_restore_exactly():
+    model, tok = small_llama()
+    eng = _engine(model, tok, compute_dtype="bf16")
+    problems = iteration_problems(eng.task, eng.config, 1)
+    before = weights(model)
+    eng.perturb(1, 2, new_timing())
+    perturbed = weights(model)
+    eng.score(problems)
+    copy = eng.generator.compute_model
+    assert copy is not None and copy is not model
+    for (name, p), q in zip(model.named_parameters(), copy.parameters(), strict=True):
+        assert p.dtype == torch.float32 and q.dtype == torch.bfloat16
+        assert torch.equal(q, perturbed[name].to(torch.bfloat16)), name  # one cast of the perturbed master
+    eng.restore(1, 2, new_timing())
+    assert_same_weights(before, weights(model))
+    eng.evaluate_members(1, [0, 1, 3], problems)
+    assert_same_weights(before, weights(model))
+    eng.update(1, [0.5, -1.0, 1.5, -1.0])
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the update stays in the fp32 master
+
+
+def test_population_batching_in_bf16_builds_the_sequential_members():
+    """Batched bf16 rows are fp32 θ + σε rounded once to bf16: the bits the sequential path casts."""
+    model, tok = small_llama()
+    eng = _engine(model, tok, compute_dtype="bf16", antithetic=True, population_batch=4)
+    runner = eng.compute_model()
+    rows = member_weights(eng, 3, [0, 1, 3], new_timing(), runner)
+    masters = dict(zip(map(id, model.parameters()), runner.parameters(), strict=True))
+    for g, m in enumerate([0, 1, 3]):
+        eng.perturb(3, m, new_timing())
+        for _, name, p in eng.params:
+            row = rows[_key(masters[id(p)])][g]
+            assert row.dtype == torch.bfloat16 and torch.equal(row, p.to(torch.bfloat16)), (m, name)
+        eng.restore(3, m, new_timing())
+    lr = _engine(model, tok, compute_dtype="bf16", noise="lowrank", rank=2, population_batch=4)
+    runner = lr.compute_model()
+    factors = member_weights(lr, 3, [0, 1], new_timing(), runner)
+    w = lr.family.items[0][2]
+    a, b = factors[_key(dict(zip(map(id, model.parameters()), runner.parameters(), strict=True))[id(w)])]
+    assert a.dtype == b.dtype == torch.bfloat16 and a.shape == (2, w.shape[0], 2)
+
+
+@pytest.mark.parametrize("batch", [0, 4])
+def test_train_es_bf16_on_tiny_runs_records_and_keeps_fp32_masters(tmp_path, batch):
+    from deltalens.io.models import load_model
+    from deltalens.io.runs import RunDir
+
+    cfg = ESConfig(model=tiny_spec(), iterations=2, compute_dtype="bf16", population_batch=batch, **FAST)
+    out = train_es(cfg, tmp_path / "bf16")
+    rows = RunDir(out).metrics()
+    assert [r["compute_dtype"] for r in rows] == ["bf16", "bf16"]
+    assert RunDir(out).state()["compute_dtype"] == "bf16"
+    assert any(r["reward_std"] > 0 for r in rows)
+    final, _ = load_model(str(out))
+    assert all(p.dtype == torch.float32 for p in final.parameters())
+    assert weights_checksum(final) == rows[-1]["checksum"]
+
+
+def test_fp32_compute_run_equals_the_default_on_tiny(tmp_path):
+    from deltalens.io.runs import RunDir
+
+    cfg = ESConfig(model=tiny_spec(), iterations=2, **FAST)
+    runs = [RunDir(train_es(dataclasses.replace(cfg, compute_dtype=c), tmp_path / c)).metrics()
+            for c in ("auto", "fp32")]
+    assert [(r["rewards"], r["checksum"], r["compute_dtype"]) for r in runs[0]] == \
+        [(r["rewards"], r["checksum"], "fp32") for r in runs[1]]
+
+
+def test_auto_is_pinned_at_the_start_of_a_run(tmp_path, monkeypatch):
+    """A resume generates in the dtype the run resolved (recorded in state.json), whatever the machine it
+    resumes on; a run from before the option (nothing recorded) resumes in fp32, as it ran."""
+    from deltalens.io.runs import RunDir
+
+    monkeypatch.setattr(cd, "cpu_flags", lambda: AMX)
+    monkeypatch.setattr(cd, "MIN_BF16_HIDDEN", 0)  # so that tiny resolves auto to bf16
+    cfg = ESConfig(model=tiny_spec(), iterations=1, **{**FAST, "max_new_tokens": 8})
+    out = train_es(cfg, tmp_path / "run")
+    assert RunDir(out).state()["compute_dtype"] == "bf16"
+    monkeypatch.setattr(cd, "cpu_flags", lambda: frozenset())  # resumed on a machine without AMX
+    train_es(dataclasses.replace(cfg, iterations=2), out, resume=True)
+    assert [r["compute_dtype"] for r in RunDir(out).metrics()] == ["bf16", "bf16"]
+    # an older run: no compute dtype recorded
+    monkeypatch.setattr(cd, "cpu_flags", lambda: AMX)
+    state = RunDir(out).state()
+    del state["compute_dtype"]
+    (out / "state.json").write_text(json.dumps(state))
+    train_es(dataclasses.replace(cfg, iterations=3), out, resume=True)
+    assert [r["compute_dtype"] for r in RunDir(out).metrics()] == ["bf16", "bf16", "fp32"]
+
+
+def test_ray_replicas_take_the_drivers_compute_dtype():
+    pytest.importorskip("ray")
+    from deltalens.training.es.backends.ray import ESWorker
+
+    cfg = ESConfig(model=tiny_spec(), backend="ray", workers=1, max_new_tokens=4)
+    worker = ESWorker(cfg.to_dict(), cfg.model, 1, None, "bf16")  # the actor body, in-process
+    assert worker.engine.compute_dtype == "bf16"  # tiny alone would resolve auto to fp32
+    assert ESWorker(cfg.to_dict(), cfg.model, 1).engine.compute_dtype == "fp32"
+
+
+def test_auto_stays_fp32_where_sigma_drowns_in_bf16_rounding(monkeypatch):
+    """Norm weights of ~1 and σ = 1.5e-3: half a bf16 step there (~2e-3 .. 4e-3) exceeds σ, so a bf16 member
+    would barely see its perturbation of them; auto keeps fp32 (naming the tensor), explicit bf16 is obeyed."""
+    from deltalens.training.es.engine import coarse_tensor
+
+    monkeypatch.setattr(cd, "cpu_flags", lambda: AMX)
+    model, tok = small_llama(hidden=576, layers=1, heads=2, kv_heads=1, intermediate=64)
+    cfg = ESConfig(sigma=1.5e-3)
+    name, med = coarse_tensor(model, cfg)
+    assert "norm" in name and med == pytest.approx(1.0)
+    assert _engine(model, tok, sigma=1.5e-3).compute_dtype == "fp32"
+    assert _engine(model, tok, sigma=1.5e-3, compute_dtype="bf16").compute_dtype == "bf16"
+    assert _engine(model, tok, sigma=1e-2).compute_dtype == "bf16"  # σ above half a step everywhere
+    assert _engine(model, tok, sigma=1.5e-3, params=("*mlp*",)).compute_dtype == "bf16"  # only what is perturbed
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.fill_(0.2)  # SmolLM2-like small norm weights: σ survives
+    assert coarse_tensor(model, cfg) is None
+    assert _engine(model, tok, sigma=1.5e-3).compute_dtype == "bf16"
