@@ -43,6 +43,10 @@ from deltalens.io.runs import RunDir
 from deltalens.io.wheel_models import MODELS as WHEEL_MODELS
 from deltalens.io.wheel_models import assemble, cached_path
 
+# The bundled tiny model's files (package data of deltalens.tiny, which builds them: `deltalens.tiny.build`
+# trains on a task, so it sits above io/ and io/ names the directory rather than importing it).
+TINY_DIR = Path(__file__).resolve().parent.parent / "tiny" / "model"
+
 WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors")
 KINDS = ("hf_dir", "gguf", "weights", "hub")
 # the files of a model directory that its content hash covers (`ModelRef.files`), in this order
@@ -118,12 +122,10 @@ def resolve(spec: str | Path | ModelRef, *, arch: str | None = None, fetch: bool
 
 def _classify(spec: str, fetch: bool) -> ModelRef:
     if spec == "tiny":
-        from deltalens.tiny import MODEL_DIR
-
-        if not (MODEL_DIR / "config.json").exists():
-            raise DeltalensError(f"the bundled tiny model is missing from {MODEL_DIR}; "
+        if not (TINY_DIR / "config.json").exists():
+            raise DeltalensError(f"the bundled tiny model is missing from {TINY_DIR}; "
                                  "rebuild it with `python -m deltalens.tiny.build`")
-        return ModelRef(spec, "hf_dir", MODEL_DIR)
+        return ModelRef(spec, "hf_dir", TINY_DIR)
     if spec == "smollm2":
         path = smollm2_gguf()
         if path is None:

@@ -1,5 +1,5 @@
 """The bundled tiny base model (char-level Llama SFT'd on `arith`); see `deltalens.tiny.build`."""
 
-from pathlib import Path
+from deltalens.io.spec import TINY_DIR as MODEL_DIR
 
-MODEL_DIR = Path(__file__).parent / "model"
+__all__ = ["MODEL_DIR"]

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from deltalens.tasks import ArithTask
+from deltalens.tiny import MODEL_DIR
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = ["\n"] + [chr(c) for c in range(32, 127)]  # newline + printable ASCII
@@ -136,7 +137,7 @@ def _save(model, tok, out: Path, info: dict):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "model", help="output directory")
+    ap.add_argument("--out", type=Path, default=MODEL_DIR, help="output directory")
     ap.add_argument("--steps", type=int, default=550, help="SFT steps (stops early on purpose)")
     ap.add_argument("--horizon", type=int, default=1200, help="cosine LR schedule length (>= steps)")
     ap.add_argument("--batch", type=int, default=128, help="problems per step")
