@@ -13,9 +13,11 @@ once first with --cache warm:
   read   read both files once, sequentially in 64 MB blocks: the I/O floor
   diff   diff_checkpoints(base, [ckpt], topk=100): the full analysis
   diff_notopk  the same with topk=0 (metrics per tensor/group/layer only, no top-k lists)
+  naive  a naive script: for each tensor, read both with safetensors' get_tensor and take
+         torch.linalg.vector_norm of their difference (one number per tensor, nothing else)
 and prints one JSON object (medians of --repeat alternated read/diff/diff_notopk triples, and each
 run's seconds): seconds, GB/s, diff/read time ratio (goal <= 2, i.e. diff throughput >= 50% of
-reading), peak RSS (VmHWM) against the budget 3 x largest tensor + 300 MB (the streaming design holds
+reading), diff/naive and diff_notopk/naive time ratios (goal, warm cache: diff <= 1.5 x naive), peak RSS (VmHWM) against the budget 3 x largest tensor + 300 MB (the streaming design holds
 a 64 MB read-ahead arena + MB-sized chunk buffers); peak RSS is VmHWM of the measuring process, which
 includes torch's own ~225 MB after import.
 
@@ -171,6 +173,19 @@ def phase_read(base: Path, ckpt: Path) -> dict:
     return {"seconds": time.perf_counter() - t, "bytes": total, "peak_rss_mb": peak_rss_mb()}
 
 
+def phase_naive(base: Path, ckpt: Path) -> dict:
+    """What a user would write: each pair of tensors read whole, the norm of their difference."""
+    from safetensors import safe_open
+
+    t = time.perf_counter()
+    norms = {}
+    with safe_open(str(base), "pt") as fb, safe_open(str(ckpt), "pt") as fc:
+        for name in fb.keys():  # noqa: SIM118 - safe_open is not a mapping
+            a, b = fb.get_tensor(name), fc.get_tensor(name)
+            norms[name] = float(torch.linalg.vector_norm(b.float() - a.float()))
+    return {"seconds": time.perf_counter() - t, "tensors": len(norms), "peak_rss_mb": peak_rss_mb()}
+
+
 def phase_diff(base: Path, ckpt: Path, topk: int = 100) -> dict:
     import rich.progress  # noqa: F401 - the progress bar's import is a one-off cost, not throughput
 
@@ -209,15 +224,18 @@ def bench_pair(size: str, work: Path, layers: int, threads: int, repeat: int = 1
         write_pair_streaming(qwen_shapes(layers=layers), base, ckpt)
         source = f"synthetic Qwen2.5-1.5B shapes, {layers} layers"
     write_s = time.perf_counter() - t
-    reads, diffs, notopk = [], [], []
-    for _ in range(repeat):  # alternated, so slow phases of a busy machine hit both measurements
+    reads, diffs, notopk, naives = [], [], [], []
+    for _ in range(repeat):  # alternated, so slow phases of a busy machine hit all measurements
         reads.append(measure("read", base, ckpt, threads, cache))
         diffs.append(measure("diff", base, ckpt, threads, cache))
         notopk.append(measure("diff_notopk", base, ckpt, threads, cache))
+        naives.append(measure("naive", base, ckpt, threads, cache))
     ratios = sorted(d["seconds"] / r["seconds"] for r, d in zip(reads, diffs))
+    naive_ratios = sorted(d["seconds"] / r["seconds"] for r, d in zip(naives, diffs))
     read = sorted(reads, key=lambda r: r["seconds"])[len(reads) // 2]    # medians
     diff = sorted(diffs, key=lambda d: d["seconds"])[len(diffs) // 2]
     bare = sorted(notopk, key=lambda d: d["seconds"])[len(notopk) // 2]
+    naive = sorted(naives, key=lambda d: d["seconds"])[len(naives) // 2]
     gb = read["bytes"] / 1e9
     budget = 3 * diff["largest_tensor_mb"] + 300
     return {
@@ -229,10 +247,15 @@ def bench_pair(size: str, work: Path, layers: int, threads: int, repeat: int = 1
         "diff_notopk_over_read": round(bare["seconds"] / read["seconds"], 2),
         "diff_mparams_s": round(diff["n_params"] / diff["seconds"] / 1e6, 1),
         "diff_over_read": round(diff["seconds"] / read["seconds"], 2),
+        "naive_s": round(naive["seconds"], 2), "diff_over_naive": round(diff["seconds"] / naive["seconds"], 2),
+        "diff_notopk_over_naive": round(bare["seconds"] / naive["seconds"], 2),
+        "naive_peak_rss_mb": round(naive["peak_rss_mb"], 1),
         "repeats": repeat, "diff_over_read_each": [round(x, 2) for x in ratios],
+        "diff_over_naive_each": [round(x, 2) for x in naive_ratios],
         "read_each_s": [round(r["seconds"], 2) for r in reads],     # in run order
         "diff_each_s": [round(d["seconds"], 2) for d in diffs],
         "diff_notopk_each_s": [round(d["seconds"], 2) for d in notopk],
+        "naive_each_s": [round(d["seconds"], 2) for d in naives],
         "diff_throughput_share_of_read": round(read["seconds"] / diff["seconds"], 3),
         "largest_tensor_mb": round(diff["largest_tensor_mb"], 1),
         "peak_rss_mb": round(diff["peak_rss_mb"], 1),
@@ -254,12 +277,13 @@ def main() -> None:
     ap.add_argument("--cache", choices=["cold", "warm"], default="cold",
                     help="cold: evict the files before each measurement (the goal's setting: real reads); "
                          "warm: read them once first, so reading is a page-cache copy and diff is compute-bound")
-    ap.add_argument("--phase", choices=["read", "diff", "diff_notopk"], help=argparse.SUPPRESS)
+    ap.add_argument("--phase", choices=["read", "diff", "diff_notopk", "naive"], help=argparse.SUPPRESS)
     ap.add_argument("paths", nargs="*", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.phase:
         torch.set_num_threads(args.threads)
-        fn = {"read": phase_read, "diff": phase_diff, "diff_notopk": lambda b, c: phase_diff(b, c, topk=0)}[args.phase]
+        fn = {"read": phase_read, "diff": phase_diff, "diff_notopk": lambda b, c: phase_diff(b, c, topk=0),
+              "naive": phase_naive}[args.phase]
         print(json.dumps(fn(*args.paths)))
         return
     work = Path(tempfile.mkdtemp(prefix="bench_diff-", dir=args.dir))

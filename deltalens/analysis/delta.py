@@ -474,50 +474,53 @@ def _prefetched(jobs: list, load, nbytes, buffered: bool = True) -> Iterator[tup
         thread.join()
 
 
-def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, topk: int = 100,
-                 strict: bool = False, svd: int = 0, progress=None) -> dict:
-    """The schema's diff[label] entry for one checkpoint vs its base (both already open).
+@dataclass
+class _Pairs:
+    """Step 1 of a diff: which tensors are compared with which (tied names resolved), and what is not."""
 
-    `progress` is an optional callable(done: int, total: int) called once per tensor processed.
-    """
+    pairs: list[tuple[str, str, str]]   # (name, base name, ckpt name)
+    missing: list[str]
+    extra: list[str]
+    retied: list[str]
+
+
+def _match_names(base: TensorSource, ckpt: TensorSource) -> _Pairs:
+    """Pair every tensor of the checkpoint with its base tensor; tied groups count once (every member
+    but the first is an alias of the first on that side)."""
     base_names, ckpt_names = base.names(), ckpt.names()
     base_set, ckpt_set = set(base_names), set(ckpt_names)
-    # tied groups: every member but the first is an alias of the first on that side
     b_alias = {m: g[0] for g in base.tied() for m in g[1:]}
     c_alias = {m: g[0] for g in ckpt.tied() for m in g[1:]}
 
     def real(name, names, alias):
         return name in names and name not in alias
 
-    warnings, missing, extra, shape_bad, dtype_bad, skipped_int, retied = [], [], [], [], [], [], []
-    pairs = []  # (name, base name, ckpt name)
+    out = _Pairs([], [], [], [])
     for name in dict.fromkeys(ckpt_names + base_names + list(c_alias) + list(b_alias)):
         in_b, in_c = real(name, base_set, b_alias), real(name, ckpt_set, c_alias)
         if not in_b and not in_c:
             continue                                        # tied (or absent) on both sides: counted once
         if in_c and not in_b and name not in b_alias:
-            extra.append(name)
+            out.extra.append(name)
             continue
         if in_b and not in_c and name not in c_alias:
-            missing.append(name)
+            out.missing.append(name)
             continue
         bn = name if in_b else b_alias[name]
         cn = name if in_c else c_alias[name]
         if bn != cn:
-            retied.append(f"{name} (compared with {bn if bn != name else cn})")
-        pairs.append((name, bn, cn))
+            out.retied.append(f"{name} (compared with {bn if bn != name else cn})")
+        out.pairs.append((name, bn, cn))
+    return out
 
-    names = [p[0] for p in pairs]
-    tops = (TopK(topk), TopK(topk))
-    whole, groups, layers = Sums(), {}, {}
-    tensors, nonfinite, zero_base_total = [], [], 0
-    dtypes: Counter = Counter()
-    # Read jobs: (tid, name, bn, cn, float?, lo, hi) = coordinates [lo, hi) of a tensor pair. Float
-    # tensors of sources that read ranges (safetensors) stream in PIECE-sized jobs, so reading and
-    # reducing overlap from the first MB on and memory stays at the read-ahead arena whatever the
-    # tensor sizes; everything else (GGUF, .pt, integer buffers, tensors for svd) is one job.
-    jobs = []
-    streams = base.partial_reads and ckpt.partial_reads
+
+def _read_jobs(base: TensorSource, ckpt: TensorSource, pairs, svd: int, streams: bool):
+    """Step 2: the read jobs (tid, name, bn, cn, float?, lo, hi) = coordinates [lo, hi) of a tensor pair,
+    and the pairs skipped for their shape / compared across dtypes. Float tensors of sources that read
+    ranges (safetensors) stream in PIECE-sized jobs, so reading and reducing overlap from the first MB on
+    and memory stays at the read-ahead arena whatever the tensor sizes; everything else (GGUF, .pt,
+    integer buffers, tensors for svd) is one job."""
+    jobs, shape_bad, dtype_bad = [], [], []
     for tid, (name, bn, cn) in enumerate(pairs):
         bs, cs = base.shape(bn), ckpt.shape(cn)
         if bs != cs:
@@ -530,6 +533,28 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
         n = math.prod(bs)
         step = PIECE if streams and is_float and not (svd and len(bs) == 2) else max(n, 1)
         jobs += [(tid, name, bn, cn, is_float, lo, min(lo + step, n)) for lo in range(0, max(n, 1), step)]
+    return jobs, shape_bad, dtype_bad
+
+
+@dataclass
+class _Reduced:
+    """Step 3's result: the sums at every level, the tensor entries and what the warnings need."""
+
+    whole: Sums
+    groups: dict
+    layers: dict
+    tensors: list
+    dtypes: Counter
+    nonfinite: list
+    skipped_int: list
+    zero_base: int
+
+
+def _reduce(base: TensorSource, ckpt: TensorSource, jobs, n_pairs: int, tol: float, tops, svd: int,
+            streams: bool, progress) -> _Reduced:
+    """Step 3: stream the jobs (read ahead in a background thread, `_prefetched`) and reduce each tensor
+    pair piece by piece (`tensor_sums`) into its entry and the group / layer / whole sums."""
+    out = _Reduced(Sums(), {}, {}, [], Counter(), [], [], 0)
 
     def load(job, region):
         _, _, bn, cn, _, lo, hi = job
@@ -554,9 +579,9 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
             n = math.prod(shape)
             if not is_float:                                   # integer buffers: not parameters
                 if not torch.equal(b, c):
-                    skipped_int.append(name)
+                    out.skipped_int.append(name)
                 if progress is not None:
-                    progress(tid + 1, len(pairs))
+                    progress(tid + 1, n_pairs)
                 continue
             if lo == 0:
                 acc, bad = Sums(), [0, 0]
@@ -564,32 +589,37 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
             acc += s
             bad[0] += bad_b
             bad[1] += bad_c
-            zero_base_total += zb
+            out.zero_base += zb
             if hi < n:
                 continue                                       # more pieces of this tensor to come
             if bad[0] or bad[1]:
-                nonfinite.append(f"{name} (base {bad[0]}, checkpoint {bad[1]})")
+                out.nonfinite.append(f"{name} (base {bad[0]}, checkpoint {bad[1]})")
             group, layer = param_group(name)
-            whole += acc
-            groups.setdefault(group, Sums()).__iadd__(acc)
-            layers.setdefault((layer, group), Sums()).__iadd__(acc)
+            out.whole += acc
+            out.groups.setdefault(group, Sums()).__iadd__(acc)
+            out.layers.setdefault((layer, group), Sums()).__iadd__(acc)
             cd = str(ckpt.dtype(cn)).removeprefix("torch.")
-            dtypes[cd] += acc.n
+            out.dtypes[cd] += acc.n
             entry = {"name": name, "group": group, "layer": layer, "shape": list(shape), "dtype": cd,
                      **acc.metrics()}
             if svd and len(shape) == 2:
                 with torch_threads(threads):               # a LAPACK call that uses every core
                     entry["svd"] = svd_summary(b.view(shape), c.view(shape), svd)
-            tensors.append(entry)
+            out.tensors.append(entry)
             if progress is not None:
-                progress(tid + 1, len(pairs))
+                progress(tid + 1, n_pairs)
             del b, c
+    return out
 
+
+def _warnings(base: TensorSource, ckpt: TensorSource, matched: _Pairs, shape_bad, dtype_bad, red: _Reduced,
+              topk: int, strict: bool) -> list[str]:
+    """Step 4: the entry's warnings (mismatches first); with `strict`, the first mismatch is an error."""
     mismatches = []
-    if missing:
-        mismatches.append(_names_list("missing from the checkpoint", missing))
-    if extra:
-        mismatches.append(_names_list("not in the base", extra))
+    if matched.missing:
+        mismatches.append(_names_list("missing from the checkpoint", matched.missing))
+    if matched.extra:
+        mismatches.append(_names_list("not in the base", matched.extra))
     if shape_bad:
         mismatches.append(_names_list("shape differs (skipped)", shape_bad))
     if dtype_bad:
@@ -597,32 +627,50 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
     if strict and mismatches:
         raise DeltalensError(f"checkpoint {ckpt.path} does not match base {base.path}: {mismatches[0]}; "
                              "drop --strict to compare the common tensors")
-    warnings += mismatches
-    if retied:
-        warnings.append(_names_list("tied on one side only", retied))
-    if skipped_int:
-        warnings.append(_names_list("non-float tensors differ (not analysed)", skipped_int))
-    if nonfinite:
-        warnings.append(_names_list("NaN/Inf values excluded from metrics", nonfinite))
-    if zero_base_total and topk:
-        warnings.append(f"{zero_base_total} changed coordinates have base value 0 and are not ranked "
+    warnings = list(mismatches)
+    if matched.retied:
+        warnings.append(_names_list("tied on one side only", matched.retied))
+    if red.skipped_int:
+        warnings.append(_names_list("non-float tensors differ (not analysed)", red.skipped_int))
+    if red.nonfinite:
+        warnings.append(_names_list("NaN/Inf values excluded from metrics", red.nonfinite))
+    if red.zero_base and topk:
+        warnings.append(f"{red.zero_base} changed coordinates have base value 0 and are not ranked "
                         "in the relative top-k")
-    if not tensors:
+    if not red.tensors:
         warnings.append("no floating-point tensors in common: nothing compared")
+    return warnings
+
+
+def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, topk: int = 100,
+                 strict: bool = False, svd: int = 0, progress=None) -> dict:
+    """The schema's diff[label] entry for one checkpoint vs its base (both already open): match the
+    names (`_match_names`), plan the reads (`_read_jobs`), stream and reduce them (`_reduce`), then the
+    warnings (`_warnings`) and the entry.
+
+    `progress` is an optional callable(done: int, total: int) called once per tensor processed.
+    """
+    matched = _match_names(base, ckpt)
+    names = [p[0] for p in matched.pairs]
+    streams = base.partial_reads and ckpt.partial_reads
+    jobs, shape_bad, dtype_bad = _read_jobs(base, ckpt, matched.pairs, svd, streams)
+    tops = (TopK(topk), TopK(topk))
+    red = _reduce(base, ckpt, jobs, len(matched.pairs), tol, tops, svd, streams, progress)
+    warnings = _warnings(base, ckpt, matched, shape_bad, dtype_bad, red, topk, strict)
 
     def order(key):
         layer, group = key
         return (layer is None, layer if layer is not None else 0, GROUPS.index(group))
 
     return {
-        "dtype": "+".join(d for d, _ in dtypes.most_common()) or None,
-        "n_params": whole.n,
+        "dtype": "+".join(d for d, _ in red.dtypes.most_common()) or None,
+        "n_params": red.whole.n,
         "tol": tol,
-        "whole": whole.metrics(),
-        "groups": {g: groups[g].metrics() for g in GROUPS if g in groups},
-        "layers": [{"layer": lay, "group": g, **layers[(lay, g)].metrics()}
-                   for lay, g in sorted(layers, key=order)],
-        "tensors": tensors,
+        "whole": red.whole.metrics(),
+        "groups": {g: red.groups[g].metrics() for g in GROUPS if g in red.groups},
+        "layers": [{"layer": lay, "group": g, **red.layers[(lay, g)].metrics()}
+                   for lay, g in sorted(red.layers, key=order)],
+        "tensors": red.tensors,
         "topk": {"k": topk, "abs": tops[0].result(names), "rel": tops[1].result(names)},
         "tied": ckpt.tied(),
         "warnings": warnings,

@@ -21,6 +21,11 @@ SmolLM2 on 2 CPU cores, docs/vllm.md); the ES populations always score on HF, as
 same `seed` draws other samples than HF does (same distribution), and its greedy decoding can differ
 from HF's on near-ties (different kernels).
 
+Memory: the sampled pass keeps only completion strings and rewards; its batches hold at most the HF
+backend's token budget of KV cache (`deltalens.generation.batching`: 512 MiB by default), so peak memory
+does not grow with limit x samples (before that budget, 50 x 16 on SmolLM2 went into one batch of 800
+rows and peaked at 7.2 GB resident). `compute_dtype` is the HF passes' (`deltalens.generation.dtype`).
+
 Every numeric and named setting is checked up front (`check_probe_options`), before a task's data is read
 or a model loads, with a one-line error naming the option: a group must hold at least two samples (one
 sample has no spread) and cut the samples evenly, a population at least two members, σ must be a positive
@@ -36,6 +41,7 @@ from collections.abc import Callable
 from deltalens.errors import DeltalensError
 from deltalens.evaluation.passk import summarize
 from deltalens.generation import BACKENDS, SamplingParams, backend_for_spec
+from deltalens.generation.dtype import check_compute_dtype
 from deltalens.generation.prompts import CHAT_MODES, problem_prompts
 from deltalens.io.models import load_model
 from deltalens.tasks import Task
@@ -110,12 +116,14 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
           group: int = 8, temperature: float = 1.0, max_new_tokens: int | None = None, chat_template="auto",
           es_preset: str = "paper", es_members: int = 8, es_prompts: int = 16, es_populations: int = 2,
           es_sigma: float | None = None, seed: int = 0, dtype: str = "fp32", backend: str = "hf",
-          log: Progress = lambda s: None, progress_factory=None) -> dict:
-    """The probe section (see module docstring) for `model_spec` on `task`."""
+          log: Progress = lambda s: None, progress_factory=None, compute_dtype: str = "fp32") -> dict:
+    """The probe section (see module docstring) for `model_spec` on `task`. compute_dtype: what the HF
+    backend's sampled and greedy passes generate in (fp32, bf16, auto: `deltalens.generation.dtype`)."""
     check_probe_options(limit=limit, samples=samples, group=group, temperature=temperature,
                         max_new_tokens=max_new_tokens, chat_template=chat_template, es_members=es_members,
                         es_prompts=es_prompts, es_populations=es_populations, es_sigma=es_sigma, seed=seed,
                         backend=backend)
+    check_compute_dtype(compute_dtype)
     problems = task.split(split, limit)  # before any model loads: bad settings fail fast
     max_new = max_new_tokens or task.max_new_tokens
     cfg = None
@@ -129,13 +137,15 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
             raise DeltalensError(f"the {es_preset} ES preset uses antithetic pairs: --es-members must be even")
     t0 = time.perf_counter()
     # vLLM loads its own weights (model None); the HF copy is then loaded only for the ES populations
-    gen, model, tok = backend_for_spec(backend, model_spec, dtype=dtype, device="cpu", chat_template=chat_template)
+    gen, model, tok = backend_for_spec(backend, model_spec, dtype=dtype, device="cpu", chat_template=chat_template,
+                                       compute_dtype=compute_dtype)
     try:
         sampled, greedy, comps, rewards, prompts = _passes(gen, task, problems, samples, group, temperature,
                                                         max_new, seed, log, progress_factory)
     finally:
         if hasattr(gen, "close"):
             gen.close()  # frees the engine (and its KV cache) before the HF model loads
+    chat, gen = gen.chat, None  # the backend (and a bf16 compute copy) is not needed for the ES populations
     groups = [r[i:i + group] for r in rewards for i in range(0, samples, group)]
     grpo_share = sum(_distinct(g) for g in groups) / len(groups)
     format_rate = sum(task.formatted(c) for cs in comps for c in cs) / (len(problems) * samples)
@@ -160,7 +170,7 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
                                      for p in pops) / len(pops)}
     out = {
         "model": model_spec, "task": task.spec, "split": split, "n_problems": len(problems),
-        "chat_template": gen.chat, "backend": backend, "temperature": temperature, "samples": samples, "group": group,
+        "chat_template": chat, "backend": backend, "temperature": temperature, "samples": samples, "group": group,
         "max_new_tokens": max_new, "seed": seed,
         "pass_at_k": sampled["pass_at_k"], "maj_at_k": sampled["maj_at_k"], "mean_reward": sampled["mean_reward"],
         "format_rate": format_rate, "greedy_pass_at_1": greedy["pass_at_k"]["1"],

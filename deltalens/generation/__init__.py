@@ -18,7 +18,7 @@ from deltalens.generation.params import GenerationBackend, SamplingParams
 BACKENDS = ("hf", "vllm")
 
 
-def make_backend(name: str, model, tokenizer, *, compute_dtype: str = "fp32", **kw) -> GenerationBackend:
+def make_generator(name: str, model, tokenizer, *, compute_dtype: str = "fp32", **kw) -> GenerationBackend:
     """A generation backend by name for an in-memory model (vLLM saves it to a temporary directory).
     compute_dtype: the HF backend's (`deltalens.generation.dtype`); vLLM ignores it."""
     check_compute_dtype(compute_dtype)
@@ -44,7 +44,7 @@ def backend_for_spec(name: str, spec: str, *, dtype: str = "fp32", config: str |
     from deltalens.io.models import load_model
 
     model, tok = load_model(spec, config=config, dtype=dtype, device=device)
-    return make_backend(name, model, tok, chat_template=chat_template, compute_dtype=compute_dtype), model, tok
+    return make_generator(name, model, tok, chat_template=chat_template, compute_dtype=compute_dtype), model, tok
 
 
-__all__ = ["BACKENDS", "COMPUTE_DTYPES", "GenerationBackend", "HFBackend", "SamplingParams", "backend_for_spec", "make_backend"]
+__all__ = ["BACKENDS", "COMPUTE_DTYPES", "GenerationBackend", "HFBackend", "SamplingParams", "backend_for_spec", "make_generator"]

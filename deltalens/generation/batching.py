@@ -3,17 +3,21 @@
 Work items are (prompt index, sample index) pairs. Prompts are sorted by token length (ties by index),
 so a batch needs little padding, and a batch holds as many items as fit in `batch_tokens` tokens of
 (longest prompt in the batch + max_new_tokens); callers write each result back at its (prompt, sample)
-place, so the order of the batches never shows. Sequences are left padded (generation appends on the
-right) with an attention mask, to which transformers appends one column per decoding step.
+place, so the order of the batches never shows. A prompt's samples are consecutive items, so a batch
+holds each of its prompts' samples side by side (`HFBackend` prefills such a prompt once for all of
+them). Sequences are left padded (generation appends on the right) with an attention mask, to which
+transformers appends one column per decoding step.
 
-Peak memory beyond the weights (and a compute copy, `deltalens.generation.dtype`) is bounded by the
-budget, whatever the number of problems: the KV cache holds at most 2 * layers * kv_dim * batch_tokens
-values of the compute dtype (4 bytes fp32, 2 bf16); prefill activations are O(batch_tokens x
-(intermediate size + heads x longest prompt)) for one layer at a time (the MLP, and attention scores
-where SDPA does not fuse them); logits are kept for the last position only (rows x vocabulary, fp32).
-E.g. SmolLM2-135M (30 layers, kv_dim 192) at the default 262,144 tokens: KV cache <= 12.1 GB in fp32,
-6.0 GB in bf16; a smaller `batch_tokens` bounds it proportionally. A budget below one sequence's length
-still makes batches of one sequence, so any budget works.
+What the budget bounds: the KV cache of a batch holds at most batch_tokens x `kv_bytes_per_token`
+bytes (2 x layers x KV heads x head size values of the compute dtype per token: 4 bytes fp32, 2 bf16),
+whatever the number of problems or samples; a budget below one sequence's length still makes batches
+of one sequence, so any budget works. Beside it, one layer's prefill activations
+(O(prefill rows x longest prompt x (intermediate size + heads x longest prompt)), the scores where SDPA
+does not fuse them) and the last position's logits (rows x vocabulary, fp32, a few copies while
+sampling). `token_budget` picks the default budget from a KV byte budget (`KV_BUDGET_BYTES`, 512 MiB),
+capped at `MAX_BATCH_TOKENS`: SmolLM2-135M (30 layers, 3 KV heads x 64) stores 46,080 bytes per token
+in fp32, so 11,650 tokens (~47 rows of a 148-token prompt + 96 new tokens), 23,300 in bf16; tiny
+(4 layers, 2 x 32) 2,048 bytes, so the cap, 262,144 tokens (its batches as before the byte budget).
 """
 
 from __future__ import annotations
@@ -21,6 +25,29 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+
+MAX_BATCH_TOKENS = 262_144  # the most tokens per batch whatever the KV budget allows
+KV_BUDGET_BYTES = 512 * 2**20  # default KV cache budget of one batch (tokens = this / kv_bytes_per_token)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of KV cache one token takes in a decoder of this (HF) config: 2 (K and V) x layers x KV
+    heads x head size x the dtype's size. Sliding-window layers are counted in full (an upper bound)."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def token_budget(config, dtype: torch.dtype = torch.float32, kv_bytes: int = KV_BUDGET_BYTES) -> int:
+    """Tokens per batch whose KV cache fits in `kv_bytes` (at least 1, at most `MAX_BATCH_TOKENS`);
+    `MAX_BATCH_TOKENS` where the config does not say its shape."""
+    try:
+        per_token = kv_bytes_per_token(config, dtype)
+    except (AttributeError, TypeError):
+        return MAX_BATCH_TOKENS
+    return max(1, min(MAX_BATCH_TOKENS, kv_bytes // per_token))
 
 
 def length_batches(lengths: Sequence[int], n: int, max_new_tokens: int, batch_tokens: int,

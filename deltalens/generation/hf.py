@@ -2,7 +2,31 @@
 
 Every (prompt, sample) pair goes through `generate` with a KV cache and left padding, in batches of a
 token budget with prompts sorted by token length (`deltalens.generation.batching`), results put back in
-the caller's order, each sequence stopped at EOS.
+the caller's order, each sequence stopped at EOS. Per batch (`_generate_batch`):
+
+1. Prefill once per prompt (n > 1): a batch holds each of its prompts' samples side by side, so the
+   prompt's tokens but the last go through the model once per distinct prompt (left padded, position
+   ids from the mask as `generate` computes them), and the KV cache is expanded to the samples' rows
+   (`batch_select_indices`) before `generate` continues from it with the prompt's last token. Without
+   it every sample recomputed its prompt: SmolLM2 with its chat-template prompts (~148 tokens) spent
+   ~90% of its time in the prefill at 4 samples (cProfile, --limit 4 --samples 4). n = 1 keeps one
+   plain `generate` call, the arithmetic ES's population batching reproduces
+   (`deltalens.training.es.population`).
+2. Finished rows leave the batch: `generate` runs SEGMENT new tokens per call, continuing from the
+   returned KV cache (the same arithmetic as one call), and between calls the rows that reached EOS
+   leave the batch and the cache. transformers itself computes every row until the batch's longest
+   ends: on SmolLM2 at T=1 most rows end within 20 tokens while one may run to the limit.
+
+Greedy completions do not depend on the budget (rows are computed alike whatever the batch; checked on
+tiny for budgets from one sequence to all, tests/generation/test_token_budget.py). SDPA attention is what
+transformers 5 loads these models with. Kept from transformers: the dynamic KV cache (a static one,
+`cache_implementation="static"`, removes its per-step `torch.cat` but attends over the whole pre-sized
+cache each step: measured no faster at 32 new tokens on tiny and hidden-576, fp32 and bf16) and its
+vectorised sampling (no per-step Python work scales with batch x vocabulary; what remains per step is
+a fixed number of module calls, ~5% of a tiny step at 640 rows).
+
+Memory: the batch's KV cache is bounded by its token budget (`batching.token_budget`: by default the
+tokens whose KV cache fits in 512 MiB of the compute dtype, at most 262,144), never by problems x samples.
 
 Compute dtype (`deltalens.generation.dtype`): with `compute_dtype` bf16 (or auto on a CPU with AMX-BF16
 or a GPU with bf16, for models of hidden size >= 512) and fp32 weights, generation runs on a bf16 copy of
@@ -10,16 +34,9 @@ the model, cast from the fp32 master weights at the start of every `generate` ca
 weights; the masters are only read). The copy costs half the masters' memory, made on the first call and
 kept.
 
-Profiled on tiny (20 arith problems x 32 samples, one 640-row batch, cProfile): the time goes to the
-linear layers (22%), SDPA attention (20%) and the dynamic KV cache's `torch.cat` (19%); no per-step
-Python work scales with batch x vocabulary (transformers' sampling is vectorised). A static KV cache
-(`cache_implementation="static"`) removes the `cat` but attends over the whole pre-sized cache each step:
-measured no faster at 32 new tokens (tiny and hidden-576, fp32 and bf16), so the dynamic cache stays.
-Not done: dropping finished rows from a batch (transformers keeps computing them until the batch's
-longest sequence ends); doing so would change which random numbers each sample sees.
-
 Seeding: batch b is sampled after `torch.manual_seed(seed + b)`, so a call is reproducible for a fixed
-batch size; changing the batch size changes which random numbers a sample sees (not its distribution).
+budget; changing the budget changes which random numbers a sample sees (not its distribution), and so
+does a row leaving the batch (the later draws of the batch go to fewer rows).
 """
 
 from __future__ import annotations
@@ -29,25 +46,35 @@ from collections.abc import Callable
 import torch
 
 from deltalens.errors import DeltalensError
-from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs
+from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs, token_budget
 from deltalens.generation.dtype import compute_copy, resolve_compute_dtype, sync_copy
 from deltalens.generation.params import SamplingParams
 from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
+
+SEGMENT = 16  # new tokens per `generate` call between removals of finished rows
+
+
+def _cache_name() -> str:
+    """transformers >= 5 calls the forward/generate cache argument `cache`; before, `past_key_values`."""
+    from transformers.utils import generic
+
+    return "cache" if hasattr(generic, "_rename_kwargs_for_bc") else "past_key_values"
 
 
 class HFBackend:
     """Batched sampling with transformers `generate` (KV cache, left padding, stop at EOS).
 
-    batch_tokens bounds (sequences x (prompt + new tokens)) per forward batch, which bounds the KV cache.
+    batch_tokens bounds (sequences x (prompt + new tokens)) per forward batch, which bounds the KV cache;
+    None: the tokens whose KV cache fits in `kv_bytes` of the compute dtype (`batching.token_budget`).
     chat_template: auto | on | off (`deltalens.generation.prompts`); `chat` is the resolved choice.
     compute_dtype: fp32 | bf16 | auto (`deltalens.generation.dtype`); `dtype` is the resolved torch dtype.
     `model` stays the master: a bf16 compute copy is `compute_model` (None until the first call).
     """
 
-    def __init__(self, model, tokenizer, batch_tokens: int = 262_144, max_batch: int = 1024,
-                 chat_template: str | bool = "auto", compute_dtype: str = "fp32"):
+    def __init__(self, model, tokenizer, batch_tokens: int | None = None, max_batch: int = 1024,
+                 chat_template: str | bool = "auto", compute_dtype: str = "fp32", kv_bytes: int | None = None):
         self.model, self.tok = model, tokenizer
-        self.batch_tokens, self.max_batch = batch_tokens, max_batch
+        self.max_batch = max_batch
         self.chat = uses_chat(tokenizer, chat_template)
         if tokenizer.pad_token_id is None:
             raise DeltalensError("tokenizer has no pad or eos token; cannot batch generation")
@@ -56,8 +83,12 @@ class HFBackend:
                                            torch.float32 if param is None else param.dtype,
                                            getattr(getattr(model, "config", None), "hidden_size", None))
         self.compute_model = None
+        if batch_tokens is None:
+            batch_tokens = token_budget(getattr(model, "config", None), self.dtype,
+                                        **({} if kv_bytes is None else {"kv_bytes": kv_bytes}))
+        self.batch_tokens = batch_tokens
 
-    def _runner(self):
+    def runner(self):
         """The module that generates: the master itself, or its compute copy refreshed from the master."""
         param = next(self.model.parameters(), None)
         if param is None or self.dtype == param.dtype:
@@ -78,27 +109,79 @@ class HFBackend:
     def generate(self, prompts: list[Prompt], params: SamplingParams,
                  progress: Callable[[int], None] | None = None) -> list[list[str]]:
         """Returns out[i][j]: completion j of prompt i. `progress(k)` is called after each k sequences."""
+        from transformers.utils import logging as hf_logging
+
         enc = self.encode(prompts)
         out: list[list[str]] = [[""] * params.n for _ in prompts]
-        device = next(self.model.parameters()).device
-        runner = self._runner()
-        eos = self.tok.eos_token_id
-        kw = sampling_kwargs(params.temperature, params.top_p)
+        runner = self.runner()
         batches = length_batches([len(e) for e in enc], params.n, params.max_new_tokens, self.batch_tokens,
                                  self.max_batch)
-        for b, chunk in enumerate(batches):
-            ids, att = left_pad([enc[i] for i, _ in chunk], self.tok.pad_token_id)
-            T = ids.shape[1]
-            torch.manual_seed(params.seed + b)
-            gen = runner.generate(
-                input_ids=ids.to(device), attention_mask=att.to(device), max_new_tokens=params.max_new_tokens,
-                pad_token_id=self.tok.pad_token_id, eos_token_id=eos, **kw,
-            )[:, T:].cpu()
-            for r, (i, j) in enumerate(chunk):
-                row = gen[r].tolist()
-                if eos in row:
-                    row = row[: row.index(eos)]
-                out[i][j] = self.tok.decode(row, skip_special_tokens=True)
-            if progress is not None:
-                progress(len(chunk))
+        verbosity = hf_logging.get_verbosity()
+        try:
+            for b, chunk in enumerate(batches):
+                torch.manual_seed(params.seed + b)
+                rows = self._generate_batch(runner, [i for i, _ in chunk], enc, params)
+                for (i, j), row in zip(chunk, rows):
+                    out[i][j] = self.tok.decode(row, skip_special_tokens=True)
+                if progress is not None:
+                    progress(len(chunk))
+        finally:
+            hf_logging.set_verbosity(verbosity)
         return out
+
+    def _generate_batch(self, runner, owners: list[int], enc: list[list[int]], params: SamplingParams):
+        """The new token ids (cut before EOS) of each row of one batch; row r continues prompt owners[r]
+        (a prompt's rows are consecutive)."""
+        from transformers.utils import logging as hf_logging
+
+        device = next(self.model.parameters()).device
+        tok, eos, name = self.tok, self.tok.eos_token_id, _cache_name()
+        kw = sampling_kwargs(params.temperature, params.top_p)
+        cache = None
+        if params.n > 1:
+            # 1. prefill each distinct prompt once, then give each of its rows a view of that cache
+            distinct = list(dict.fromkeys(owners))
+            ids, att = left_pad([enc[i] for i in distinct], tok.pad_token_id)  # (P, width)
+            where = {i: k for k, i in enumerate(distinct)}
+            expand = torch.tensor([where[i] for i in owners], device=device)  # (rows,) -> distinct prompt
+            ids, att = ids.to(device), att.to(device)
+            if ids.shape[1] > 1:
+                from transformers import DynamicCache
+
+                cache = DynamicCache(config=runner.config)
+                pre = att[:, :-1]
+                pos = (pre.cumsum(-1) - 1).masked_fill(pre == 0, 0)  # as `generate` derives them
+                runner(input_ids=ids[:, :-1], attention_mask=pre, position_ids=pos, use_cache=True,
+                       logits_to_keep=1, **{name: cache})
+                cache.batch_select_indices(expand)
+            ids, att = ids[expand], att[expand]
+        else:
+            ids, att = left_pad([enc[i] for i in owners], tok.pad_token_id)
+            ids, att = ids.to(device), att.to(device)
+        width = ids.shape[1]
+        rows: list[list[int] | None] = [None] * len(owners)
+        live = list(range(len(owners)))  # position in `ids` -> row of the caller's batch
+        produced = 0
+        while True:
+            # 2. SEGMENT tokens at a time; rows that reached EOS leave the batch (and the cache) between calls
+            step = min(SEGMENT, params.max_new_tokens - produced)
+            res = runner.generate(input_ids=ids, attention_mask=att, max_new_tokens=step,
+                                  pad_token_id=tok.pad_token_id, eos_token_id=eos, return_dict_in_generate=True,
+                                  **{name: cache}, **kw)
+            hf_logging.set_verbosity_error()  # continuations: finished rows end in padding, which is fine
+            new = res.sequences.shape[1] - ids.shape[1]
+            ids, cache, produced = res.sequences, getattr(res, name), produced + new
+            att = torch.cat([att, att.new_ones(att.shape[0], new)], dim=1)
+            gen = ids[:, width:]
+            ended = (gen == eos).any(1)
+            done = torch.ones_like(ended) if produced >= params.max_new_tokens or new < step else ended
+            for r in done.nonzero().flatten().tolist():
+                row = gen[r].tolist()
+                rows[live[r]] = row[: row.index(eos)] if eos in row else row
+            if bool(done.all()):
+                return rows
+            if bool(done.any()):
+                keep = (~done).nonzero().flatten()
+                live = [live[k] for k in keep.tolist()]
+                ids, att = ids[keep], att[keep]
+                cache.batch_select_indices(keep)

@@ -167,8 +167,8 @@ def test_cli_sparsify(tmp_path, monkeypatch):
     seen = []
 
     def fake_evaluate_state_dict(spec, sd, task, *, samples, ks, temperature=0.6, limit=None, seed=0,
-                                 model_cache=None, chat_template="auto", backend=None):
-        assert backend is None
+                                 model_cache=None, chat_template="auto", backend=None, compute_dtype="fp32"):
+        assert backend is None and compute_dtype in ("auto", "fp32", "bf16")
         seen.append((spec, task.spec, samples, tuple(ks), limit, id(task)))
         changed = sum(int((sd[k].float() != base[k].float()).sum())
                       for k in base if base[k].is_floating_point())

@@ -13,7 +13,7 @@ import torch
 from support import small_llama
 
 from deltalens.errors import DeltalensError
-from deltalens.generation import HFBackend, SamplingParams, backend_for_spec, make_backend
+from deltalens.generation import HFBackend, SamplingParams, backend_for_spec, make_generator
 from deltalens.generation import dtype as cd
 
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
@@ -87,7 +87,7 @@ def test_low_precision_weights_generate_as_they_are():
 def test_unknown_compute_dtype_is_one_line_error(monkeypatch):
     model, tok = small_llama()
     for make in (lambda: HFBackend(model, tok, compute_dtype="fp16"),
-                 lambda: make_backend("hf", model, tok, compute_dtype="int8")):
+                 lambda: make_generator("hf", model, tok, compute_dtype="int8")):
         with pytest.raises(DeltalensError, match="unknown compute dtype .* auto, fp32, bf16"):
             make()
 

@@ -230,7 +230,7 @@ class ESEngine:
     def compute_model(self) -> torch.nn.Module:
         """The module members generate on: the master itself, or the generator's compute copy refreshed
         from the master (one cast; population batching runs its member forwards on it)."""
-        return self.generator._runner()
+        return self.generator.runner()
 
     # -- perturb / restore (timings accumulate into `timing`)
     @torch.no_grad()

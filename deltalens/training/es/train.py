@@ -28,7 +28,7 @@ from deltalens.errors import DeltalensError
 from deltalens.io.models import load_model
 from deltalens.io.runs import RunDir, checkpoint_name
 from deltalens.training.budget import es_units
-from deltalens.training.es.backends import make_backend
+from deltalens.training.es.backends import make_member_evaluator
 from deltalens.training.es.config import ESConfig
 from deltalens.training.es.engine import ESEngine
 from deltalens.training.es.strategy import fitness_shaping, iteration_problems
@@ -100,7 +100,7 @@ def _train(run: RunDir, config: ESConfig, task, engine: ESEngine | None, resume:
     if state and state.get("checksum") and start > 0 and engine.checksum() != state["checksum"]:
         raise DeltalensError(f"checkpoint {model_spec} does not match the checksum in state.json; "
                              "it was modified or is corrupt: restore it or start a new run")
-    backend = make_backend(config, engine, model_spec, backend_options)
+    backend = make_member_evaluator(config, engine, model_spec, backend_options)
     try:
         with Tracker(run.path, config.report_to, start=start, config=run_config(config)) as tracker:
             _loop(run, config, engine, backend, start, progress, tracker)

@@ -1,7 +1,7 @@
 """Who evaluates the ES members: `local` (in-process), `ray` (actors) or `vllm` (a vLLM engine).
 
 Every backend has the same interface (`MemberBackend`), and the engine imports none of them: the
-training loop (`deltalens.training.es.train`) picks one with `make_backend`. Each derives the prompts and
+training loop (`deltalens.training.es.train`) picks one with `make_member_evaluator`. Each derives the prompts and
 the noise from (seed, iteration, member) itself, so only iteration numbers, member ids, rewards and the
 shaped fitness z cross a process boundary, never weights.
 """
@@ -28,7 +28,7 @@ class MemberBackend(Protocol):
     def close(self) -> None: ...
 
 
-def make_backend(config: ESConfig, engine: ESEngine, model_spec: str, options: dict | None = None) -> MemberBackend:
+def make_member_evaluator(config: ESConfig, engine: ESEngine, model_spec: str, options: dict | None = None) -> MemberBackend:
     if config.backend == "local":
         return LocalBackend(engine)
     if config.backend == "vllm":  # perturbs vLLM's own fused weights in place (docs/vllm.md)
@@ -40,4 +40,4 @@ def make_backend(config: ESConfig, engine: ESEngine, model_spec: str, options: d
     return RayBackend(engine, model_spec, **(options or {}))
 
 
-__all__ = ["LocalBackend", "MemberBackend", "make_backend"]
+__all__ = ["LocalBackend", "MemberBackend", "make_member_evaluator"]
