@@ -18,7 +18,7 @@ from .diversity import diversity
 from .eval import eval_cmd
 from .probe import probe_cmd
 from .report import render, report
-from .study import study
+from .study import study, study_scale
 from .sweep import app as sweep_app
 
 app = typer.Typer(
@@ -51,6 +51,7 @@ app.add_typer(models_cmds.app, name="models")
 app.command("eval")(common.guard(eval_cmd))
 app.command("probe")(common.guard(probe_cmd))
 app.command("study")(common.guard(study))
+app.command("study scale")(common.guard(study_scale))  # `deltalens study scale DIR...` (main() routes it)
 app.command("diff")(common.guard(diff_cmd))
 app.command("sparsify")(common.guard(sparsify_cmd))
 app.command("diversity")(common.guard(diversity))
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "train":
         args = ["train", *train_cmds.rewrite_alias(args[1:])]
+    if args[:2] == ["study", "scale"]:  # a subcommand beside `study MODEL`, whose first argument is a model
+        args = ["study scale", *args[2:]]
     cmd = typer.main.get_command(app)
     try:
         rv = cmd.main(args=args, prog_name="deltalens", standalone_mode=False)

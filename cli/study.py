@@ -1,5 +1,9 @@
 """`deltalens study MODEL`: train every method for every seed at one budget, measure, and give each claim of
-arXiv 2608.27351 a verdict with bootstrap intervals. Options are generated from `deltalens.study.StudyConfig`."""
+arXiv 2608.27351 a verdict with bootstrap intervals. Options are generated from `deltalens.study.StudyConfig`.
+
+`deltalens study scale STUDY_DIR...` (`study_scale`): claim 6 across model sizes from finished studies
+(`deltalens.study.scale`); cli/main.py routes `study scale` to it (a study's MODEL is positional, so the
+subcommand is a rewritten first word, as `train --method` is)."""
 
 from __future__ import annotations
 
@@ -38,6 +42,9 @@ def show(doc: dict, out: Path, console=None) -> None:
                       "-" if lo is None or hi is None else f"[{lo:.3g}, {hi:.3g}]", Text(ch["verdict"]))
     console.print(t)
     console.print(study["rule"], markup=False, highlight=False)
+    flops = study.get("flops")
+    if isinstance(flops, dict) and isinstance(flops.get("text"), str):  # deltalens.study.flops.study_flops
+        console.print(flops["text"], markup=False, highlight=False)
     c.console.print(f"report: {out / 'report.html'}  analysis: {out / 'analysis.json'}  verdicts: "
                     f"{out / 'verdicts.csv'}, {out / 'verdicts.md'}", markup=False, highlight=False)
 
@@ -93,6 +100,57 @@ def _params() -> list[inspect.Parameter]:
                             annotation=Annotated[Path, typer.Option("--out", "-o", help="study directory (runs, "
                                                                     "cache, analysis.json, report.html)")])
     return [model, out, *o.config_params(StudyConfig)]
+
+
+def show_scale(res: dict, console=None) -> None:
+    """Claim 6 across model sizes, on stdout: one row per model (by parameter count), fitting 80 columns, then
+    the verdict and its rule."""
+    console = console or c.out
+    f = res["fraction"]
+    t = Table(title=Text(f"claim 6 across model sizes: the smallest N keeping {f:g} of the reference ES run's "
+                         "Pass@1 gain"), expand=False, pad_edge=False)
+    t.add_column("study (model)", overflow="fold", ratio=1, min_width=16)
+    t.add_column("params", justify="right", no_wrap=True)
+    t.add_column("ref N", justify="right", no_wrap=True)
+    t.add_column("N needed", justify="right", no_wrap=True)
+    t.add_column("N interval", justify="right", no_wrap=True)
+    t.add_column("share at N", justify="right", no_wrap=True)
+
+    def num(x):
+        return "-" if x is None else f"{x:.3g}"
+
+    for m in res["models"]:
+        lo, hi = m["ci"]
+        share = "-" if m["share"] is None else f"{m['share']:.3g} [{num(lo)}, {num(hi)}]"
+        interval = "-" if m["n_needed"] is None else f"[{m['n_low']}, {m['n_high']}]"
+        size = f"{m['params'] / 1e9:.3g}B" if m["params"] >= 1e9 else f"{m['params'] / 1e6:.3g}M"
+        t.add_row(Text(f"{m['study']} ({m['model']})"), size, str(m["reference_population"]),
+                  "-" if m["n_needed"] is None else str(m["n_needed"]), interval, share)
+    console.print(t)
+    console.print(f"the N needed shrinks with model scale: {res['verdict']}: {res['reason']}", markup=False,
+                  highlight=False)
+    console.print(res["rule"], markup=False, highlight=False)
+
+
+def study_scale(
+    studies: Annotated[list[Path], typer.Argument(metavar="STUDY_DIR", help="finished study directories (each with analysis.json and "
+                                                       "--population-sizes runs), one per model size")],
+    fraction: Annotated[float, typer.Option("--fraction", help="share of the reference ES run's Pass@1 gain an N "
+                                            "must keep to count as enough (0 < F <= 1)")] = 0.9,
+    json_out: Annotated[Path | None, typer.Option("--json", dir_okay=False, help="also write the result as JSON "
+                                                  "to this file")] = None,
+) -> None:
+    """Claim 6 across model sizes: per model, the smallest population N that keeps --fraction of the reference ES
+    run's Pass@1 gain (with its interval), and whether that N shrinks with model scale (3+ sizes)."""
+    from deltalens.io.atomic import write_json_atomic
+    from deltalens.io.outputs import Output, check_outputs
+    from deltalens.study.scale import scale_analysis
+
+    check_outputs([Output(json_out, "--json")], files=[p / "analysis.json" if p.is_dir() else p for p in studies])
+    res = scale_analysis(studies, fraction)
+    if json_out is not None:
+        write_json_atomic(res, json_out)
+    show_scale(res)
 
 
 study = o.command("study", "Train every method for every seed at one FLOP-matched budget, measure, and test each "

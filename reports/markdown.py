@@ -123,6 +123,8 @@ def study_markdown(analysis: dict) -> str:
                    "over problems and seeds):"), "", *eff, ""]
     if study.get("rule"):
         lines += [f"Verdict rule: {study['rule']}", ""]
+    if (study.get("flops") or {}).get("text"):
+        lines += [f"Compute: {study['flops']['text']}", ""]
     lines += [PER_SEED_NOTE, ""]
     lines += claims_table(study)
     return "\n".join(lines) + "\n"

@@ -231,6 +231,8 @@ def claims_table(ctx: Context) -> str | None:
     head = "".join(f"<th>{h}</th>" for h in names)
     rule = f'<p class="caption">{esc(study.get("rule"))}</p>' if study.get("rule") else ""
     rule += f'<p class="caption">{esc(PER_SEED_NOTE)}</p>'
+    flops = as_dict(study.get("flops")).get("text")
+    rule += f'<p class="caption">Compute: {esc(flops)}</p>' if flops else ""
     return f'{rule}<table class="data"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 

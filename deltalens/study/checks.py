@@ -9,15 +9,33 @@ study at once; a claim's verdict is the agreement of its checks (`claim_verdict`
 
 The checks computed from the evaluations live here (claims 1, 5, 6 and 7: every method's effect on
 Pass@K/Maj@K against one base, the mean over its sampling seeds per problem), with the distance checks
-(claims 2 and 4) and the entropy checks (claim 8); claim 3's come with the sparsity sweep
+(claims 2 and 4), claim 7's paired-reward correlation of the two-point runs (from their metrics rows,
+`two_point_checks`) and the entropy checks (claim 8); claim 3's come with the sparsity sweep
 (`deltalens.study.sparsity`), claims 9 and 10's with the population (`deltalens.study.diversity`).
+
+Claim 7's mechanism. Two-point ES estimates the gradient from one antithetic pair per iteration,
+g ≈ (R+ - R-) ε / 2σ with R± = R(θ ± σε) (each the member's mean reward over the iteration's P prompts,
+which both members share). Pairing helps when R+ and R- are positively correlated: the part of the reward
+both share (this iteration's prompts, the current θ) cancels in R+ - R-, and
+Var(R+ - R-) = Var(R+) + Var(R-) - 2 Cov(R+, R-). With one pair per iteration the covariance is estimated
+across iterations: each run's pairs centred on that run's means and pooled over the runs (df = pairs - runs),
+its interval a bootstrap of iterations within each run (stratified by run; not a seed spread). A reward that
+trends over training adds to the covariance. Reported beside it: the covariance, the variance ratio
+Var(R+ - R-) / (Var(R+) + Var(R-)) = 1 - 2 Cov / (Var(R+) + Var(R-)) (below 1: pairing removed shared
+variance; 1 - corr for equal variances), the per-iteration paired differences' mean and SD, and the pairs
+themselves. It is shown in claim 7's section and Holm-adjusted with the rest, but not part of the claim's
+verdict (`in_verdict` False): the claim is "no advantage", the correlation is what the estimator relies on.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from deltalens.analysis import multiplicity, stats
+from deltalens.errors import DeltalensError
+from deltalens.io.runs import RunDir
 from deltalens.study.config import StudyConfig
 from deltalens.study.measures import per_problem
 
@@ -187,6 +205,92 @@ def population_checks(cfg, base_evals, evals_by_group, R) -> list[dict]:
                                            f"+{TWO_POINT_MARGIN:g})", "es-2pt", k, e, -1, null=TWO_POINT_MARGIN,
                                         trained_base=True))
     return checks
+
+
+def paired_rewards(rows: list[dict]) -> list[tuple[float, float]]:
+    """(R+, R-) of each trained iteration of a two-point run, from its metrics rows' `rewards` (member 0 draws
+    +ε, member 1 its mirror -ε: `deltalens.training.es.strategy.member_noise`); iterations in order, a
+    re-logged iteration (a resumed run) counted once, its last row."""
+    by_it = {}
+    for r in rows:
+        it, rw = r.get("iteration"), r.get("rewards")
+        if isinstance(it, int) and it > 0 and isinstance(rw, list):
+            if len(rw) != 2:
+                raise DeltalensError(f"iteration {it} has {len(rw)} member rewards; a two-point run has 2")
+            by_it[it] = (float(rw[0]), float(rw[1]))
+    return [by_it[k] for k in sorted(by_it)]
+
+
+def _pooled(xs: list[np.ndarray], ys: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Within-run pooled (co)variances of R+ and R- over the last axis: each run centred on its own means,
+    df = pairs - runs. Arrays (..., n_i) per run; returns arrays of the leading shape."""
+    sxy = sxx = syy = 0.0
+    df = 0
+    for x, y in zip(xs, ys):
+        xc, yc = x - x.mean(-1, keepdims=True), y - y.mean(-1, keepdims=True)
+        sxy, sxx, syy = sxy + (xc * yc).sum(-1), sxx + (xc * xc).sum(-1), syy + (yc * yc).sum(-1)
+        df += x.shape[-1] - 1
+    cov, vx, vy = sxy / df, sxx / df, syy / df
+    with np.errstate(divide="ignore", invalid="ignore"):
+        corr = np.where((vx > 0) & (vy > 0), cov / np.sqrt(vx * vy), np.nan)
+        ratio = np.where(vx + vy > 0, 1 - 2 * cov / (vx + vy), np.nan)
+    return {"cov": np.asarray(cov, float), "corr": np.asarray(corr, float), "ratio": np.asarray(ratio, float)}
+
+
+def paired_reward_stats(pairs_by_run: dict[str, list[tuple[float, float]]], resamples: int, seed: int = 0) -> dict:
+    """The paired-reward statistics of claim 7 (module docstring) and their bootstrap replicates: corr, cov
+    and the variance ratio (pooled within runs), each run's own corr (`per_seed`), the paired differences
+    R+ - R- (mean, SD over all iterations). Needs >= 2 pairs in each run and >= 3 in all."""
+    runs = {k: np.asarray(v, dtype=float).reshape(-1, 2) for k, v in pairs_by_run.items()}
+    if not runs or any(len(v) < 2 for v in runs.values()) or sum(len(v) for v in runs.values()) < 3:
+        raise DeltalensError("the paired-reward correlation needs >= 2 iterations in each two-point run "
+                             "and >= 3 in all")
+    xs, ys = [v[:, 0] for v in runs.values()], [v[:, 1] for v in runs.values()]
+    point = _pooled(xs, ys)
+    rng = np.random.default_rng(seed)
+    idx = [rng.integers(0, len(x), (resamples, len(x))) for x in xs]  # iterations resampled within each run
+    reps = _pooled([x[i] for x, i in zip(xs, idx)], [y[i] for y, i in zip(ys, idx)])
+    d = np.concatenate([x - y for x, y in zip(xs, ys)])
+    per_seed = [float(_pooled([x], [y])["corr"]) for x, y in zip(xs, ys)]
+    return {"corr": float(point["corr"]), "cov": float(point["cov"]), "ratio": float(point["ratio"]),
+            "replicates": reps, "per_seed": per_seed, "iterations": int(d.size), "runs": len(runs),
+            "difference_mean": float(d.mean()), "difference_sd": float(d.std(ddof=1)) if d.size > 1 else math.nan}
+
+
+def _percentiles(values: np.ndarray) -> list[float]:
+    v = values[np.isfinite(values)]
+    if v.size == 0:
+        return [math.nan, math.nan]
+    return [float(q) for q in np.quantile(v, [(1 - stats.LEVEL) / 2, (1 + stats.LEVEL) / 2])]
+
+
+def two_point_checks(runs: dict, R: int) -> list[dict]:
+    """Claim 7's paired-reward check over the two-point runs (`runs`: label -> run directory; module
+    docstring): corr(R+, R-) > 0, shown beside the claim's checks, not part of its verdict."""
+    pairs = {}
+    for label, d in runs.items():
+        run = RunDir(d)
+        cfg = run.config()
+        if cfg.get("population") != 2 or not cfg.get("antithetic"):
+            raise DeltalensError(f"{label} is not a two-point run (population {cfg.get('population')}, "
+                                 f"antithetic {cfg.get('antithetic')}); its rewards are not pairs")
+        pairs[label] = paired_rewards(run.metrics())
+    name = ("two-point es: paired rewards R(θ+σε), R(θ-σε) positively correlated over iterations (what pairing "
+            "relies on; not part of the verdict)")
+    common = {"in_verdict": False, "seed_spread": False, "pairs": {k: [list(p) for p in v] for k, v in pairs.items()}}
+    try:
+        st = paired_reward_stats(pairs, R)
+    except DeltalensError:  # too few iterations: untestable, shown as such
+        return [check(7, name, "es-2pt", "corr(R+, R-)", math.nan, (math.nan, math.nan), +1, **common)]
+    reps = st["replicates"]
+    corr = reps["corr"][np.isfinite(reps["corr"])]
+    # a resample whose R+ or R- has no variance has no correlation: dropped; untestable when most are
+    ev = multiplicity.Replicates(corr) if corr.size >= R / 2 and math.isfinite(st["corr"]) else None
+    return [check(7, name, "es-2pt", "corr(R+, R-)", st["corr"], _percentiles(reps["corr"]), +1, evidence=ev,
+                  per_seed=st["per_seed"], covariance=st["cov"], covariance_ci=_percentiles(reps["cov"]),
+                  variance_ratio=st["ratio"], variance_ratio_ci=_percentiles(reps["ratio"]),
+                  paired_difference_mean=st["difference_mean"], paired_difference_sd=st["difference_sd"],
+                  iterations=st["iterations"], runs=st["runs"], **common)]
 
 
 def distance_checks(cfg: StudyConfig, diffs: dict, R: int) -> list[dict]:

@@ -32,7 +32,9 @@ SEED_SPREAD = ("Seed spread: the checks of claims 1, 2, 4, 5, 6, 7 and 8 carry t
                "Student-t seed part in the bootstrap, or a t interval over per-seed values; none for a method "
                "trained with one seed); the checks of claims 3, 9 and 10 measure the first seed's runs only "
                "(sparsity of es/grpo seed 0, the population of es seed 0), so their intervals are over test "
-               "problems or prompts: what one run can tell, not what another seed would give.")
+               "problems or prompts: what one run can tell, not what another seed would give. Claim 7's "
+               "paired-reward correlation (shown, not part of its verdict) is over the training iterations of "
+               "the two-point runs, resampled within each run: not a seed spread either.")
 
 
 def temperature_text(temps, verdict_t: float) -> str:
@@ -48,7 +50,8 @@ def temperature_text(temps, verdict_t: float) -> str:
 
 def claims_of(checks: list[dict], *, ran: set[int] | None = None) -> list[dict]:
     """The verdict table's sections: every claim with checks, and paper claims 6 and 7 as "not run" when
-    their runs are absent. A check with `"in_verdict": False` (another temperature) is shown, not counted."""
+    their runs are absent. A check with `"in_verdict": False` (another temperature; claim 7's paired-reward
+    correlation) is shown, not counted."""
     out = []
     for cid, title in CLAIMS.items():
         mine = [c for c in checks if c["claim"] == cid]

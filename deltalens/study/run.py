@@ -49,15 +49,16 @@ from deltalens.study.checks import (  # noqa: F401  (re-exported: `from deltalen
     effects_summary,
     entropy_checks,
     evaluation_checks,
+    two_point_checks,
 )
 from deltalens.study.claims import CLAIMS, SEED_SPREAD, claims_of, temperature_text  # noqa: F401
 from deltalens.study.config import StudyConfig
 from deltalens.study.diversity import JS_ESTIMATOR, diversity_checks
 from deltalens.study.executor import Executor, LocalExecutor
-from deltalens.study.flops import run_flops
+from deltalens.study.flops import study_flops
 from deltalens.study.measures import Measures, per_problem, read_result, uses_vllm  # noqa: F401
 from deltalens.study.plan import study_tasks, t_key
-from deltalens.study.runs import by_group, preset_of, run_plan, shown, study_budget
+from deltalens.study.runs import TWO_POINT, by_group, preset_of, run_plan, shown, study_budget
 from deltalens.study.sparsity import sparsity_analysis
 from deltalens.tasks import get_task
 from deltalens.training.launch import check_start
@@ -152,6 +153,8 @@ def analyse(cfg: StudyConfig, out: Path, plan: list[dict], results: dict, second
         checks += new
         effects_at[t] = eff
     effects = effects_at[vt]
+    if TWO_POINT in groups:  # claim 7's paired-reward correlation, from the two-point runs' metrics rows
+        checks += two_point_checks({r["label"]: r["dir"] for r in groups[TWO_POINT]}, R)
 
     diff_doc = read_result(out, results["diff"])
     diffs = diff_doc["diff"]
@@ -201,7 +204,7 @@ def analyse(cfg: StudyConfig, out: Path, plan: list[dict], results: dict, second
              "base": study_base(cfg, base_evals[vt], effects), "js_estimator": JS_ESTIMATOR,
              "runs": [{"label": r["label"], "group": r["group"], "method": r["method"], "seed": r["seed"],
                        "dir": shown(r["dir"], out), "total": r["total"]} for r in plan],
-             "data": data, "flops": {r["label"]: run_flops(r["dir"], r["method"]) for r in plan},
+             "data": data, "flops": study_flops(plan),
              "seconds": seconds()}
     if several:
         study["effects_at"] = {t_key(t): effects_summary(e) for t, e in effects_at.items()}

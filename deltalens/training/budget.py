@@ -14,11 +14,26 @@ vs G = 8). A whole run:
     es_units(iterations, P, N) = iterations · P · 2N
     grpo_units(steps, P, G)    = steps · P · 8G
 
-Not counted (as in arXiv 2608.27351's accounting): ES's noise generation and in-place perturbation
-(O(params) per member, no tokens), GRPO's optimizer step (O(params)), the KL reference model's
-forward pass (+2G per prompt when beta > 0; pass `reference=True` to count it), extra policy passes
-for `num_iterations` (μ) > 1, and the prompt tokens themselves. Both methods are assumed to produce
-responses of similar length; the unit scales with response length, so compare runs on one task.
+Not counted in the charge (as in arXiv 2608.27351's accounting): ES's noise generation and in-place
+perturbation (O(params) per member, no tokens), GRPO's optimizer step (O(params)), the KL reference
+model's forward pass (+2G per prompt when beta > 0; pass `reference=True` to count it), extra policy
+passes for `num_iterations` (μ) > 1, and the prompt tokens themselves. Both methods are assumed to
+produce responses of similar length; the unit scales with response length, so compare runs on one task.
+
+Measured cost (`grpo_token_units_per_step`, `es_token_units_per_iteration`): what a step or iteration
+spent given the responses it actually produced, in *token units*, one pass of the parameters over one
+token (~params FLOPs; a forward pass over one token is 2 of them, a backward pass 4), so FLOPs ≈ token
+units x params. Per response of L completion tokens (L: the step's or iteration's mean length):
+
+    ES    generation                                                    2L
+    GRPO  generation 2L + per policy pass over the completion (forward 2L + backward 4L), μ of them,
+          + the old policy's log-probs when μ > 1 (one forward, 2L)
+          + the KL reference model's forward pass when β > 0 (2L)      (8 + 2)L at the paper's μ = 1, β > 0
+
+so at equal lengths GRPO's reference pass adds 2/8 = 25% to what the budget charged it, and a method whose
+responses run longer spends proportionally more. Still not counted: prompt tokens (prefill and the
+forward passes over the prompt), and GRPO's generation re-reading the KV cache (attention, O(L²) per
+response: small against params x L for these lengths).
 
 `--budget B` on the command line gives a run B units: `iterations_for_budget` / `steps_for_budget`
 turn it into ES iterations / GRPO steps (rounded down, so a run never exceeds its budget), and a
@@ -36,6 +51,8 @@ from deltalens.errors import DeltalensError
 ES_UNITS_PER_RESPONSE = 2  # one generation (forward) per member response
 GRPO_UNITS_PER_RESPONSE = 8  # generation (2) + forward (2) + backward (4) per sampled response
 REFERENCE_UNITS_PER_RESPONSE = 2  # KL reference forward pass (beta > 0), only with reference=True
+GENERATION_UNITS = 2  # measured: sampling a response, per token (one forward pass with the KV cache)
+POLICY_PASS_UNITS = 6  # measured: one GRPO policy pass over a completion, per token (forward 2 + backward 4)
 
 
 def _positive_int(name: str, value) -> int:
@@ -53,6 +70,37 @@ def grpo_units_per_step(prompts: int, num_generations: int, reference: bool = Fa
     """Units of one GRPO step: G responses per prompt, generated and back-propagated (8 units each)."""
     per = GRPO_UNITS_PER_RESPONSE + (REFERENCE_UNITS_PER_RESPONSE if reference else 0)
     return per * _positive_int("num_generations", num_generations) * _positive_int("prompts", prompts)
+
+
+def _length(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise DeltalensError(f"completion_tokens must be a number >= 0 (got {value!r})")
+    return float(value)
+
+
+def grpo_units_per_response(beta: float = 0.0, num_iterations: int = 1) -> int:
+    """Measured passes per completion token of one GRPO response, in units (module docstring): generation 2,
+    μ policy passes of forward 2 + backward 4, the old policy's log-probs 2 when μ > 1, the reference 2 when
+    β > 0. 10 at the paper's settings (μ = 1, β = 1e-3), 8 with β = 0 (what the budget charges)."""
+    mu = _positive_int("num_iterations", num_iterations)
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta < 0:
+        raise DeltalensError(f"beta must be a number >= 0 (got {beta!r})")
+    return (GENERATION_UNITS + POLICY_PASS_UNITS * mu + (GENERATION_UNITS if mu > 1 else 0)
+            + (REFERENCE_UNITS_PER_RESPONSE if beta > 0 else 0))
+
+
+def grpo_token_units_per_step(prompts: int, num_generations: int, completion_tokens: float, *,
+                              beta: float = 0.0, num_iterations: int = 1) -> float:
+    """Token units one GRPO step spent: P·G responses of mean length L, `grpo_units_per_response` passes per
+    token each (P·G·10·L at the paper's μ = 1, β > 0)."""
+    n = _positive_int("prompts", prompts) * _positive_int("num_generations", num_generations)
+    return float(grpo_units_per_response(beta, num_iterations) * n) * _length(completion_tokens)
+
+
+def es_token_units_per_iteration(prompts: int, population: int, completion_tokens: float) -> float:
+    """Token units one ES iteration spent: N·P responses of mean length L, generated once (2 per token)."""
+    n = _positive_int("prompts", prompts) * _positive_int("population", population)
+    return float(GENERATION_UNITS * n) * _length(completion_tokens)
 
 
 def es_units(iterations: int, prompts: int, N: int) -> int:

@@ -149,6 +149,7 @@ def seen(monkeypatch) -> Seen:
     import deltalens.evaluation
     import deltalens.generation
     import deltalens.generation.vllm
+    import deltalens.study.scale
     import deltalens.training.trained
     from deltalens.tasks import get_task
 
@@ -192,6 +193,8 @@ def seen(monkeypatch) -> Seen:
         "evals": {"base": {"task": "arith", "n_problems": 1, "samples": 1, "pass_at_k": {"1": 0.5}}},
         "diff": {}, "study": {"seconds": 0}}))
     monkeypatch.setattr(deltalens.cli.study, "show", fake("show"))
+    monkeypatch.setattr(deltalens.study.scale, "scale_analysis", fake("scale_analysis", {"models": []}))
+    monkeypatch.setattr(deltalens.cli.study, "show_scale", fake("show_scale"))
     return s
 
 
@@ -248,9 +251,14 @@ BASE_ARGS: dict[str, list[str]] = {
     "eval": ["eval", "tiny"], "report": ["report", "tiny", "tiny", "-o", "{out}/report"],
     "diff": ["diff", "tiny", "tiny"], "sparsify": ["sparsify", "tiny"], "diversity": ["diversity", "tiny"],
     "probe": ["probe", "tiny"], "demo": ["demo", "--out", "{out}/demo"], "render": ["render", "{analysis}"],
+    "study scale": ["study", "scale", "{analysis}"],
 }
 
 ROUTES: dict[str, dict[str, Route]] = {
+    "study scale": {
+        "--fraction": R("--fraction", "0.5", check=lambda s, f: s["scale_analysis"].args[1] == 0.5),
+        "--json": R("--json", "{out}/scale.json", check=wrote("scale.json")),
+    },
     "eval": {
         "--task": R("--task", "countdown", check=lambda s, f: s[EM].args[1].spec == "countdown"),
         "--samples": R("--samples", "3", "--k", "1", check=kw(EM, "samples", 3)),

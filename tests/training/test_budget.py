@@ -6,8 +6,11 @@ import pytest
 
 from deltalens.errors import DeltalensError
 from deltalens.training.budget import (
+    es_token_units_per_iteration,
     es_units,
+    grpo_token_units_per_step,
     grpo_units,
+    grpo_units_per_response,
     iterations_for_budget,
     parse_budget,
     split_budget,
@@ -74,3 +77,31 @@ def test_parse_budget():
     assert iterations_for_budget("1M", 64, 32) == 10**6 // 4096
     with pytest.raises(DeltalensError, match="--budget"):
         parse_budget("lots")
+
+
+def test_measured_cost_counts_tokens_and_the_reference_pass():
+    # per completion token: generation 2 + forward 2 + backward 4, + the reference forward 2 when beta > 0
+    assert grpo_units_per_response(0.0) == 8 and grpo_units_per_response(1e-3) == 10
+    # mu = 2: two policy passes (6 each) + one forward for the old policy's log-probs (2) + generation (2)
+    assert grpo_units_per_response(0.0, 2) == 2 + 12 + 2 and grpo_units_per_response(0.04, 2) == 18
+    # P = 4 prompts x G = 8 completions of 30 tokens: 32 x 30 tokens x 10 passes
+    assert grpo_token_units_per_step(4, 8, 30.0, beta=1e-3) == 32 * 30 * 10
+    assert grpo_token_units_per_step(4, 8, 30.0) == 32 * 30 * 8
+    # ES: N = 16 members x P = 16 prompts, 25 tokens each, generated once
+    assert es_token_units_per_iteration(16, 16, 25.0) == 256 * 25 * 2
+    # at equal lengths and the matched budget (N = 4G, same prompts) the reference pass is GRPO's +25%
+    L = 12.5
+    es, grpo = es_token_units_per_iteration(64, 32, L), grpo_token_units_per_step(64, 8, L, beta=1e-3)
+    assert grpo / es == 1.25 and grpo_token_units_per_step(64, 8, L) == es
+    assert es_token_units_per_iteration(1, 2, 0) == 0.0  # an empty response costs no token passes
+
+
+def test_measured_cost_refuses_bad_values():
+    with pytest.raises(DeltalensError, match="completion_tokens"):
+        es_token_units_per_iteration(1, 2, -1.0)
+    with pytest.raises(DeltalensError, match="completion_tokens"):
+        grpo_token_units_per_step(1, 2, float("nan"))
+    with pytest.raises(DeltalensError, match="beta"):
+        grpo_units_per_response(-0.1)
+    with pytest.raises(DeltalensError, match="num_iterations"):
+        grpo_units_per_response(0.0, 0)
