@@ -141,3 +141,19 @@ def real_vllm():
     if not hasattr(vllm, "LLM"):
         pytest.skip("vllm is a stub here, not a real vLLM")
     return vllm
+
+
+def cli_commands(cmd=None, path=()):
+    """(command path, click command) of every leaf command of the deltalens CLI (groups like `train`,
+    `sweep` recursed); `cmd`: where to start (default: the whole app)."""
+    if cmd is None:
+        import typer
+        from deltalens.cli.main import app
+
+        cmd = typer.main.get_command(app)
+    subs = getattr(cmd, "commands", None)
+    if subs:
+        for name, sub in subs.items():
+            yield from cli_commands(sub, (*path, name))
+    else:
+        yield " ".join(path), cmd

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import typer
-from support import run_cli, tiny_spec
+from support import cli_commands, run_cli, tiny_spec
 
 from deltalens.analysis.options import DiffConfig, DiversityConfig, ProbeConfig, ReportConfig, SparsifyConfig
 from deltalens.config import NOT_NONE, flag_name
@@ -42,21 +41,11 @@ CONFIGS = {"eval": EvalConfig, "report": ReportConfig, "diff": DiffConfig, "spar
            "diversity": DiversityConfig, "probe": ProbeConfig}
 
 
-def _commands(cmd, path=()):
-    subs = getattr(cmd, "commands", None)
-    if subs:
-        for name, sub in subs.items():
-            yield from _commands(sub, (*path, name))
-    else:
-        yield " ".join(path), cmd
-
-
 def tree() -> dict[str, dict[str, object]]:
     """command path -> {first option name: click parameter} for every option (--help aside)."""
-    from deltalens.cli.main import app
 
     return {name: {p.opts[0]: p for p in cmd.params if p.param_type_name == "option" and p.name != "help"}
-            for name, cmd in _commands(typer.main.get_command(app))}
+            for name, cmd in cli_commands()}
 
 
 TREE = tree()

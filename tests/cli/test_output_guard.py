@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import typer
-from support import run_cli, tiny_spec
+from support import cli_commands, run_cli, tiny_spec
 
 from deltalens.tiny import MODEL_DIR
 
@@ -66,6 +65,7 @@ def _sweep(method: str, grid: str) -> Case:
 # (command path, output option) -> how to run it; every output option of the CLI must be here
 OUTPUTS: dict[tuple[str, str], Case] = {
     ("demo", "--out"): Case(None, directory=True),  # no inputs but the bundled tiny model: test_demo_out
+    ("study scale", "--json"): Case(None),  # its inputs are studies' analysis.json: test_study_scale_json
     ("eval", "--json"): _plain("eval"),
     ("eval", "--log-samples"): _plain("eval"),
     ("probe", "--json"): _plain("probe"),
@@ -116,24 +116,13 @@ def _type_name(p) -> str:
     return str(bare() if callable(bare) else bare).lower()
 
 
-def _commands(cmd, path=()):
-    """(command path, command) of every leaf command under `cmd` (groups like `train`, `sweep` recursed)."""
-    subs = getattr(cmd, "commands", None)
-    if subs:
-        for name, sub in subs.items():
-            yield from _commands(sub, (*path, name))
-    else:
-        yield " ".join(path), cmd
-
-
 def output_options() -> dict[tuple[str, str], list[str]]:
     """(command, its first option name) -> all its names, for every option that looks like an output path:
     a name like --json/--csv/-o/--out/--log-..., or help that says it writes, saves or creates; flags and
     numbers name no path."""
-    from deltalens.cli.main import app
 
     found = {}
-    for name, cmd in _commands(typer.main.get_command(app)):
+    for name, cmd in cli_commands():
         for p in cmd.params:
             if p.param_type_name != "option" or p.is_flag or _type_name(p) in _NUMERIC:
                 continue
@@ -322,3 +311,17 @@ def test_probe_es_options_unused_without_populations(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         run_cli(["probe", "tiny", "--es-populations", "0", "--es-members", "1", "--limit", "2", "--samples", "2",
                  "--group", "2"])
+
+
+def test_study_scale_json(inputs, tmp_path):
+    """`study scale` reads each study's analysis.json: --json aimed at one is refused, nothing touched."""
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / "analysis.json").write_text(inputs["analysis"].read_text())
+    for target in (study / "analysis.json", inputs["analysis"]):
+        before = tree(tmp_path)
+        r = run_cli(["study", "scale", str(study), str(inputs["analysis"]), "--json", str(target)])
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+        assert any(m in lines[0] for m in GUARD), lines[0]  # the guard's refusal, not the analysis's
+        assert tree(tmp_path) == before
