@@ -60,6 +60,9 @@ class StudyConfig(Config):
                              "(default: in this process)")
     cpus_per_run: float = option(1.0, "CPUs each task declares to Ray", needs=("ray", NOT_NONE))
     gpus_per_run: float = option(0.0, "GPUs each task declares to Ray", needs=("ray", NOT_NONE))
+    ray_files: str = option("auto", "how files reach Ray workers: auto (probe every node for the study directory), "
+                            "shared (a filesystem every node mounts), objects (through Ray's object store), or a "
+                            "directory every node can reach (docs/cluster.md)", needs=("ray", NOT_NONE))
     noninferiority_margin: float = option(0.02, "non-inferiority margin of a 'keeps' check (ES keeps Pass@16/32): "
                                           "reproduced when method minus base is surely above -margin")
 

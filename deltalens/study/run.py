@@ -69,7 +69,7 @@ Log = Callable[[str], None]
 BASE_DEFINITION = ("the mean over the base's sampling seeds, per problem (Pass@K and Maj@K of each seed's "
                    "evaluation averaged): every table, figure and verdict compares with it")
 
-def executor_for(cfg: StudyConfig, progress_factory=None) -> Executor:
+def executor_for(cfg: StudyConfig, progress_factory=None, log: Log = print) -> Executor:
     """The executor --ray asks for: in this process (None), or a RayExecutor at that address."""
     if cfg.ray is None:
         return LocalExecutor(progress_factory=progress_factory)
@@ -77,7 +77,9 @@ def executor_for(cfg: StudyConfig, progress_factory=None) -> Executor:
         mod = importlib.import_module("deltalens.study.ray_executor")
     except ModuleNotFoundError as e:
         raise DeltalensError(f"--ray needs deltalens.study.ray_executor and ray ({e.name} is not installed)") from e
-    return mod.RayExecutor(address=cfg.ray)
+    files = {"auto": {}, "shared": {"shared_fs": True}, "objects": {"shared_fs": False}}.get(
+        cfg.ray_files, {"artefacts": cfg.ray_files})  # else: a directory every node reaches
+    return mod.RayExecutor(address=cfg.ray, log=log, **files)
 
 
 def run_graph(tasks, out: Path, executor: Executor, log: Log) -> dict:
@@ -96,7 +98,7 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
     if (out / "study.json").exists():
         _check_study_file(cfg, out)  # another study's DIR is refused first (read only: the file exists)
     plan = validate_study(cfg, out)
-    executor = executor or executor_for(cfg, progress_factory)
+    executor = executor or executor_for(cfg, progress_factory, log)
     out.mkdir(parents=True, exist_ok=True)
     _check_study_file(cfg, out)
     t0 = time.time()
