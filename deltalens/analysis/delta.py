@@ -54,6 +54,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from deltalens.analysis.document import analysis_document, model_entry
@@ -68,6 +69,9 @@ CHUNK = 1 << 18  # coordinates per reduction step: 256K float32 = 1 MB per tempo
 #                  over a chunk hit the CPU cache (2.1x faster than 16 MB chunks on 28M coordinates)
 PIECE = 1 << 21   # coordinates per read-ahead job of a streamed tensor: 8 MB per side in float32
 BLOCK = 1024      # top-k candidate search: block maxima first, then only blocks that hold a candidate
+LANES = 16        # |Δ| top-k: a chunk viewed as LANES rows, a max per column (see _grouped_above)
+GROUPED_MIN = 1 << 14   # chunks of fewer coordinates search both top-k lists over the whole chunk
+DENSE = 1 / 16    # ... as does the relative list where more than this share of a chunk passes its filter
 METRIC_KEYS = ("n", "l2", "base_l2", "rel_l2", "max_abs", "mean_abs", "frac_changed", "frac_above_tol")
 
 # ----------------------------------------------------------------------------------------------
@@ -180,22 +184,25 @@ def above_indices(x: torch.Tensor, thr: float) -> torch.Tensor:
 class TopK:
     """Running top-k of (score, tensor id, flat index, Δ, θ0) over a stream of chunks.
 
-    Each chunk is first filtered against the current k-th best score (above_indices), so after the
-    first chunks only a handful of candidates reach torch.topk.
+    Each chunk is first filtered against the current k-th best score (`threshold`), so after the
+    first chunks only a handful of candidates reach torch.topk. The list is kept in numpy arrays:
+    a merge is a dozen ops on ~k entries, where a torch op's ~5-10 µs overhead would be most of the
+    cost (~85 µs a merge); torch.topk still picks the entries, so ties resolve as they always have.
     """
 
     def __init__(self, k: int):
         self.k = k
-        self.score = torch.empty(0)
-        self.rows = torch.empty(0, 2, dtype=torch.int64)   # (tensor id, flat index)
-        self.vals = torch.empty(0, 2)                      # (Δ, θ0)
+        self.score = np.empty(0, np.float32)
+        self.rows = np.empty((0, 2), np.int64)             # (tensor id, flat index)
+        self.vals = np.empty((0, 2), np.float32)           # (Δ, θ0)
+        self._thr = 0.0                                    # threshold(), kept as a float: no sync per call
 
     def threshold(self) -> float:
         """Scores must beat this to enter: the k-th best so far, or 0 while not full."""
-        return float(self.score.min()) if self.score.numel() >= self.k else 0.0
+        return self._thr
 
     def push(self, score: torch.Tensor, tid: int, offset: int, d: torch.Tensor, b: torch.Tensor) -> int:
-        """score/d/b: 1-D chunk starting at flat index `offset`; eligible: finite score > 0."""
+        """score/d/b: 1-D float32 chunk starting at flat index `offset`; eligible: finite score > 0."""
         if self.k == 0 or score.numel() == 0:
             return 0
         thr = self.threshold()
@@ -208,31 +215,107 @@ class TopK:
 
     def push_at(self, i: torch.Tensor, s: torch.Tensor, tid: int, offset: int, d: torch.Tensor,
                 b: torch.Tensor) -> int:
-        """Merge candidates at chunk positions `i` with scores `s`; returns how many had s = inf
-        (|Δ|/|θ0| with θ0 = 0), which are skipped."""
+        """Merge candidates at chunk positions `i` (int64) with scores `s` (float32); returns how
+        many had s = inf (|Δ|/|θ0| with θ0 = 0), which are skipped."""
         if self.k == 0 or i.numel() == 0:
             return 0
-        finite = torch.isfinite(s)
-        n_inf = int(s.numel() - finite.sum())
+        s, i = s.numpy(), i.numpy()
+        finite = np.isfinite(s)
+        n_inf = int(s.size - np.count_nonzero(finite))
         if n_inf:
             s, i = s[finite], i[finite]
-        if s.numel() > self.k:
-            s, j = torch.topk(s, self.k)
-            i = i[j]
-        self.score = torch.cat([self.score, s])
-        self.rows = torch.cat([self.rows, torch.stack([torch.full_like(i, tid), i + offset], 1)])
-        self.vals = torch.cat([self.vals, torch.stack([d[i], b[i]], 1)])
-        if self.score.numel() > self.k:
-            self.score, j = torch.topk(self.score, self.k)
-            self.rows, self.vals = self.rows[j], self.vals[j]
+        if s.size > self.k:
+            top, j = torch.topk(torch.from_numpy(s), self.k)
+            s, i = top.numpy(), i[j.numpy()]
+        self.score = np.concatenate([self.score, s])
+        self.rows = np.concatenate([self.rows, np.stack([np.full_like(i, tid), i + offset], 1)])
+        self.vals = np.concatenate([self.vals, np.stack([d.numpy()[i], b.numpy()[i]], 1)])
+        if self.score.size > self.k:
+            top, j = torch.topk(torch.from_numpy(self.score), self.k)
+            j = j.numpy()
+            self.score, self.rows, self.vals = top.numpy(), self.rows[j], self.vals[j]
+        if self.score.size >= self.k:
+            self._thr = float(self.score.min())
         return n_inf
 
     def result(self, names: list[str]) -> dict:
-        order = torch.argsort(self.score, descending=True, stable=True)
+        order = torch.argsort(torch.from_numpy(self.score), descending=True, stable=True)
         entries = [{"name": names[int(self.rows[j, 0])], "index": int(self.rows[j, 1]),
                     "delta": float(self.vals[j, 0]), "base": float(self.vals[j, 1])} for j in order.tolist()]
         counts = Counter(param_group(e["name"])[0] for e in entries)
         return {"composition": {g: counts[g] for g in GROUPS if counts[g]}, "entries": entries}
+
+
+# ----------------------------------------------------------------------------------------------
+# top-k candidates of one chunk
+#
+# Once a list is full, a coordinate enters only if its score beats the k-th best (`threshold`), which
+# few do, so each list first narrows a chunk down to a superset of those coordinates with one cheap
+# pass, then scores only them with the same ops as a full pass: the candidates (ascending indices)
+# and their scores are bit for bit those of the full pass (`_rank_rel_dense`, `above_indices`).
+# - |Δ| (`_grouped_above`): the chunk viewed as LANES rows of `cols`; column j holds coordinates
+#   j, j + cols, ... Its max (one vectorised pass, which also gives max_abs) bounds the column.
+# - |Δ|/|θ0| (`_rank_rel_sparse`): rounding is monotone, so fl(|Δ|/|θ0|) > thr needs the exact
+#   quotient above thr, i.e. |θ0| < max_abs / thr; a float32 below a real number is at most that
+#   number rounded to float32 (via float64 too), so |θ0| <= tau = fl32(max_abs / thr) passes every
+#   coordinate that can enter, and every θ0 = 0, so the zero-base count comes from the candidates too.
+#   On the SmolLM2 bench pair that leaves ~0.3% of a chunk (mostly θ0 = 0); a full pass of the ratio
+#   costs ~2.5 ns per coordinate (abs, eq, dot, div, nan_to_num, amax), this filter ~0.8 ns.
+
+
+def _grouped_above(x: torch.Tensor, x_max: torch.Tensor, thr: float) -> torch.Tensor:
+    """above_indices(x, thr) from x's column maxima x_max (x viewed as LANES rows of x_max.numel()),
+    in numpy: numpy's compare costs ~0.15 ns a coordinate, torch's ~2 ns (its bool output)."""
+    x_np, cols = x.numpy(), x_max.numel()
+    m0 = cols * LANES
+    hit = np.flatnonzero(x_max.numpy() > thr)
+    row, col = np.nonzero(x_np[:m0].reshape(LANES, cols)[:, hit] > thr)   # row-major: idx ascends
+    idx = row * cols + hit[col]
+    if m0 < x_np.size:                                     # the tail that does not fill a row
+        idx = np.concatenate([idx, np.flatnonzero(x_np[m0:] > thr) + m0])
+    return torch.from_numpy(idx)
+
+
+def _rank_rel_dense(top: TopK, a, b, d, t, g1, g2, tid: int, offset: int, t_ready: bool = False) -> int:
+    """Push a chunk's |Δ|/|θ0| into the relative top-k over the whole chunk (the list is filling up,
+    or the chunk is small, or the filter would pass too much). Returns #changed coordinates with
+    θ0 = 0 (not ranked). t: a chunk buffer, holding |θ0| already if t_ready, and g1 a bool one (both
+    overwritten); g2: numpy bool, True where changed."""
+    zero_base = 0
+    if not t_ready:
+        torch.abs(b, out=t)                                # |θ0|
+    if float(t.amin()) == 0:                               # changed coordinates with θ0 = 0: counted, not ranked
+        np.equal(t.numpy(), 0, out=g1)
+        zero_base = int(np.count_nonzero(np.logical_and(g1, g2, out=g1)))
+    # |Δ|/|θ0|, made 0 (never ranked) where it is nan (Δ = 0 = θ0) or inf (θ0 = 0, or an overflow
+    # against a subnormal θ0): an inf would take a top-k slot while the list fills up
+    torch.div(a, t, out=t).nan_to_num_(nan=0.0, posinf=0.0)
+    if float(t.amax()) > top.threshold():
+        top.push(t, tid, offset, d, b)
+    return zero_base
+
+
+def _rank_rel_sparse(top: TopK, a, b, d, t, g1, g2, max_abs: float, tid: int, offset: int) -> int:
+    """The same as _rank_rel_dense for a full list, scoring only the coordinates with |θ0| <= tau
+    (see above); the dense pass when tau overflows float32 or more than DENSE of the chunk passes."""
+    tau = max_abs / top.threshold()                       # threshold > 0: the list is full
+    if not tau < 3e38:                                     # no float32 bound: nothing to filter with
+        return _rank_rel_dense(top, a, b, d, t, g1, g2, tid, offset)
+    torch.abs(b, out=t)                                    # |θ0|
+    t_np = t.numpy()
+    cand = np.flatnonzero(np.less_equal(t_np, np.float32(tau), out=g1))
+    if cand.size > DENSE * t_np.size:
+        return _rank_rel_dense(top, a, b, d, t, g1, g2, tid, offset, t_ready=True)
+    # the candidates in numpy: a few hundred coordinates, where a torch op's ~10 µs overhead dominates;
+    # its float32 division is IEEE's, as torch's, so the scores are the same bits
+    ac, tc = a.numpy()[cand], t_np[cand]
+    zero_base = int(np.count_nonzero((tc == 0) & (ac > 0)))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):   # inf and nan become 0, as in torch
+        ratio = np.nan_to_num(ac / tc, nan=0.0, posinf=0.0)
+    keep = np.flatnonzero(ratio > top.threshold())
+    if keep.size:
+        top.push_at(torch.from_numpy(cand[keep]), torch.from_numpy(ratio[keep]), tid, offset, d, b)
+    return zero_base
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,13 +327,23 @@ _STAGGER = 1040  # floats (4160 bytes) between workspace buffers, so that elemen
 
 
 def workspace(size: int = 0) -> torch.Tensor:
-    """Scratch memory for tensor_sums: five chunk buffers in one allocation, reusable across calls.
+    """Scratch memory for tensor_sums: three float32 and two bool chunk buffers in one allocation,
+    reusable across calls (`_buffers` carves them).
 
     Reuse matters: a fresh 5 MB per call is page-faulted in again each time (glibc returns it to the
     OS on free), which tripled the reduction time of a streamed diff made of many small pieces.
     """
     size = size or CHUNK
-    return torch.empty(5 * (size + _STAGGER))
+    return torch.empty(3 * (size + _STAGGER) + 2 * (-(-size // 4) + _STAGGER))
+
+
+def _buffers(work: torch.Tensor, size: int):
+    """(d, a, t) float32 tensors and (g1, g2) numpy bool arrays of `size` elements, inside `work`."""
+    stride, bstride = size + _STAGGER, -(-size // 4) + _STAGGER
+    floats = [work[i * stride:i * stride + size] for i in range(3)]
+    bools = [work[3 * stride + i * bstride:3 * stride + (i + 1) * bstride].view(torch.uint8)[:size]
+             .numpy().view(np.bool_) for i in range(2)]
+    return floats, bools
 
 
 def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[TopK, TopK] | None = None,
@@ -262,25 +355,25 @@ def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[
     Returns (sums over finite coordinates, #non-finite in base, #non-finite in ckpt, #changed
     coordinates with θ0 == 0 that the relative top-k skipped). Feeds `tops` = (abs, rel) if given.
 
-    Speed: this loop is the whole cost of a diff after I/O, so every step writes into five
-    preallocated chunk buffers (a fresh tensor per op costs an allocation and page faults) and avoids
-    the slow ops (bool masks, count_nonzero, where, nonzero over a whole chunk): counts are sums or dots
-    of 0/1 floats (exact: a chunk has < 2^24 coordinates), and the top-k candidate searches run only when
-    a cheap max shows a chunk can hold one, and then only in the blocks that can (above_indices).
-    About 20 cheap memory passes per coordinate; see benchmarks/bench_diff.py.
+    Speed: this loop is the whole cost of a diff after I/O, so every step writes into preallocated
+    chunk buffers (a fresh tensor per op costs an allocation and page faults) and avoids the slow
+    ops: counts are numpy compares into a bool buffer + np.count_nonzero (~0.3 ns per coordinate;
+    torch's compare to bool alone costs ~1.7 ns, a 0/1 float compare + sum ~0.6 ns, count_nonzero
+    ~4.4 ns), and once a top-k list is full only the coordinates that a one-pass filter lets through
+    are scored (`_grouped_above`, `_rank_rel_sparse`). About 11 memory passes per coordinate with
+    the top-k lists, 8 without; see benchmarks/bench_diff.py.
     """
     b_all, c_all = base.reshape(-1), ckpt.reshape(-1)
     size = min(CHUNK, b_all.numel())
-    stride = size + _STAGGER
-    if work is None or work.numel() < 5 * stride:
+    if work is None or work.numel() < workspace(size).numel():
         work = workspace(size)
-    d_buf, a_buf, t_buf, s_buf, z_buf = (work[i * stride:i * stride + size] for i in range(5))  # (chunk,) f32
+    (d_buf, a_buf, t_buf), (g1_buf, g2_buf) = _buffers(work, size)
     s, bad_b, bad_c, zero_base = Sums(), 0, 0, 0
     for lo in range(0, b_all.numel(), CHUNK):
         b = b_all[lo:lo + CHUNK].float()                   # no copy when already float32
         c = c_all[lo:lo + CHUNK].float()
         m = b.numel()
-        d, a, t, sa, z = d_buf[:m], a_buf[:m], t_buf[:m], s_buf[:m], z_buf[:m]
+        d, a, t, g1, g2 = d_buf[:m], a_buf[:m], t_buf[:m], g1_buf[:m], g2_buf[:m]
         torch.sub(c, b, out=d)                             # Δ
         n, sq, base_sq = m, float(torch.dot(d, d)), float(torch.dot(b, b))
         if not (math.isfinite(sq) and math.isfinite(base_sq)):   # slow path only if NaN/Inf present
@@ -293,28 +386,37 @@ def tensor_sums(base: torch.Tensor, ckpt: torch.Tensor, tol: float, tops: tuple[
             b = torch.where(ok, b, 0.0)
             sq, base_sq = float(torch.dot(d, d)), float(torch.dot(b, b))
         torch.abs(d, out=a)                                # |Δ|
-        max_abs = float(a.amax())
-        changed = int(torch.sign(a, out=sa).sum())         # #(|Δ| > 0); sa = 1 where changed, else 0
+        a_np = a.numpy()
+        changed = int(np.count_nonzero(np.greater(a_np, 0, out=g2)))   # #(|Δ| > 0); g2: where changed
+        ranked = tops is not None and tops[0].k > 0 and changed > 0
+        cols = m // LANES if ranked and m >= GROUPED_MIN else 0
+        if cols:                                           # column maxima: max_abs and the top-k bounds
+            a_max = a[:cols * LANES].view(LANES, cols).amax(0)   # (cols,) max |Δ| of each column
+            max_abs = float(a_max.amax())
+            if cols * LANES < m:
+                max_abs = max(max_abs, float(a[cols * LANES:].amax()))
+        else:
+            max_abs = float(a.amax())
         if max_abs <= tol:
             above = 0
         elif tol > 0:
-            above = int(torch.gt(a, tol, out=t).sum())     # #(|Δ| > tol): 0/1 floats, exact sum
+            above = int(np.count_nonzero(np.greater(a_np, tol, out=g1)))   # #(|Δ| > tol)
         else:
             above = changed
         s += Sums(n=n, sq=sq, base_sq=base_sq, abs=float(a.sum()), max_abs=max_abs, changed=changed,
                   above=above)
-        if tops is None or not tops[0].k or changed == 0:
+        if not ranked:
             continue
         if max_abs > tops[0].threshold():                  # else no coordinate here can enter
-            tops[0].push(a, tid, offset + lo, d, b)
-        torch.abs(b, out=t)                                # |θ0|
-        if float(t.amin()) == 0:                           # changed coordinates with θ0 = 0: counted, not ranked
-            zero_base += int(torch.dot(sa, torch.eq(t, 0, out=z)))   # dot of 0/1 floats: exact below 2^24
-        # |Δ|/|θ0|, made 0 (never ranked) where it is nan (Δ = 0 = θ0) or inf (θ0 = 0, or an overflow
-        # against a subnormal θ0): an inf would take a top-k slot while the list fills up
-        torch.div(a, t, out=t).nan_to_num_(nan=0.0, posinf=0.0)
-        if float(t.amax()) > tops[1].threshold():
-            tops[1].push(t, tid, offset + lo, d, b)
+            if cols and tops[0].threshold() > 0:
+                i = _grouped_above(a, a_max, tops[0].threshold())
+                tops[0].push_at(i, a[i], tid, offset + lo, d, b)
+            else:
+                tops[0].push(a, tid, offset + lo, d, b)
+        if cols and tops[1].threshold() > 0:
+            zero_base += _rank_rel_sparse(tops[1], a, b, d, t, g1, g2, max_abs, tid, offset + lo)
+        else:
+            zero_base += _rank_rel_dense(tops[1], a, b, d, t, g1, g2, tid, offset + lo)
     return s, bad_b, bad_c, zero_base
 
 

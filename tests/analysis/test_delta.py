@@ -176,6 +176,87 @@ def test_reduction_matches_naive_reference(monkeypatch, chunk, block):
                               for w_ in r["warnings"])
 
 
+def tied_pair(seed: int = 11):
+    """Base/checkpoint with repeated values (ties in |Δ| and in |Δ|/|θ0|), zero and subnormal bases
+    (whose ratio overflows) and unchanged coordinates, in tensors whose sizes do not divide a row."""
+    g = torch.Generator().manual_seed(seed)
+    base, ckpt = {}, {}
+    for name, shape in [(EMB, (50, 41)), (Q0, (37, 29)), (DOWN1, (64, 64)), (NORM, (7,))]:
+        b = (torch.randn(shape, generator=g) * 0.02).round(decimals=3)
+        b[torch.rand(shape, generator=g) < 0.05] = 0.0
+        b.view(-1)[:3] = torch.tensor([1e-39, -1e-42, 1e-30])[:b.numel()]
+        step = (torch.randn(shape, generator=g) * 1e-3).round(decimals=5)
+        step[torch.rand(shape, generator=g) < 0.3] = 0.0
+        base[name], ckpt[name] = b, b + step
+    return base, ckpt
+
+
+@pytest.mark.parametrize("lanes,dense,k", [(16, 1.0, 40), (4, 1.0, 40), (3, 1 / 16, 40), (16, 0.0, 40),
+                                           (16, 1.0, 1), (5, 1.0, 400)])
+def test_filtered_topk_matches_full_pass(monkeypatch, lanes, dense, k):
+    """Once a top-k list is full, each chunk is narrowed by a one-pass filter (column maxima of |Δ|;
+    |θ0| <= max|Δ| / threshold) before scoring: the entries, their order among ties, the zero-base
+    count and every metric are exactly those of scoring every coordinate (GROUPED_MIN above any
+    chunk). dense=0 sends every filtered chunk back to the full pass; dense=1 never."""
+    base, ckpt = tied_pair()
+    monkeypatch.setattr(delta, "CHUNK", 512)
+    monkeypatch.setattr(delta, "GROUPED_MIN", 1 << 30)                  # every chunk scored in full
+    want = diff_sources(DictSource(base), DictSource(ckpt), tol=1e-4, topk=k)
+    calls = {"sparse": 0, "grouped": 0}
+    for fn, key in (("_rank_rel_sparse", "sparse"), ("_grouped_above", "grouped")):
+        real = getattr(delta, fn)
+
+        def spy(*a, _real=real, _key=key, **kw):
+            calls[_key] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(delta, fn, spy)
+    monkeypatch.setattr(delta, "GROUPED_MIN", 1)
+    monkeypatch.setattr(delta, "LANES", lanes)
+    monkeypatch.setattr(delta, "DENSE", dense)
+    got = diff_sources(DictSource(base), DictSource(ckpt), tol=1e-4, topk=k)
+    assert calls["sparse"] > 5 and calls["grouped"] > 0               # the filtered paths did run
+    assert got == want
+    scores = [abs(e["delta"]) / abs(e["base"]) for e in got["topk"]["rel"]["entries"]]
+    assert len(scores) == k and (k == 1 or len(set(scores)) < k)       # ties among the entries
+    assert any(" changed coordinates have base value 0" in w for w in got["warnings"])
+
+
+def test_relative_filter_bound_is_tight():
+    """The relative list's filter |θ0| <= tau = fl32(max|Δ| / threshold) keeps a coordinate with
+    |θ0| == tau exactly whose ratio still beats the threshold (found by search): a filter one float32
+    step tighter, or a strict <, would lose it."""
+    n = 1 << 15                                                         # chunks above GROUPED_MIN
+    base = {Q0: torch.ones(n), K0: torch.ones(n)}
+    ckpt = {Q0: base[Q0].clone(), K0: base[K0].clone()}
+    ckpt[Q0][5] = 8.3                                                   # first chunk fills the list (k=1)
+    thr = ckpt[Q0][5] - base[Q0][5]                                     # its ratio: the threshold after it
+    a, up = torch.tensor(3.1e-4), torch.tensor(1.0)
+    for _ in range(1000):                                               # |Δ| = a, |θ0| = tau
+        tau = torch.tensor(float(a) / float(thr))
+        if bool(a / tau > thr) and bool((tau + a) - tau == a):
+            break
+        a = torch.nextafter(a, up)
+    else:
+        pytest.fail("no |Δ| with a ratio above the threshold at |θ0| = tau")
+    base[K0][n - 9], ckpt[K0][n - 9] = tau, tau + a                     # second chunk: the only change
+    r = diff_sources(DictSource(base), DictSource(ckpt), topk=1)
+    e = r["topk"]["rel"]["entries"][0]
+    assert (e["name"], e["index"], e["base"]) == (K0, n - 9, float(tau))
+
+
+@pytest.mark.parametrize("n,lanes", [(100, 4), (1000, 7), (4096, 16), (50, 16), (10, 16)])
+def test_grouped_above_matches_nonzero(monkeypatch, n, lanes):
+    """The |Δ| list's search from column maxima finds exactly x > thr, ascending, including a column
+    whose max beats thr by one float32 step and the tail that does not fill a row."""
+    monkeypatch.setattr(delta, "LANES", lanes)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)).abs()
+    cols = n // lanes
+    x_max = x[:cols * lanes].view(lanes, cols).amax(0)
+    edge = float(torch.nextafter(x_max[0], torch.tensor(0.0))) if cols else 1.0
+    for thr in (0.0, float(x.median()), edge, float(x.max()) - 1e-6, 10.0):
+        assert torch.equal(delta._grouped_above(x, x_max, thr), torch.nonzero(x > thr).squeeze(1))
+
+
 @pytest.mark.parametrize("n,block", [(100, 4), (1000, 7), (4096, 64), (50, 1024)])
 def test_above_indices_matches_nonzero(monkeypatch, n, block):
     monkeypatch.setattr(delta, "BLOCK", block)
