@@ -264,14 +264,19 @@ class ESEngine:
         return SamplingParams(n=1, temperature=self.config.temperature, max_new_tokens=self.max_new_tokens,
                               seed=self.config.seed)
 
-    def mean_reward(self, completions: Sequence[str], problems) -> float:
-        """Mean reward of one completion per problem."""
+    def mean_reward(self, completions: Sequence[str], problems, timing: dict | None = None) -> float:
+        """Mean reward of one completion per problem; counts the completions' tokens into `timing` (the
+        measured lengths FLOP accounting uses: deltalens.study.flops)."""
+        if timing is not None:
+            timing["completion_tokens"] += sum(len(self.tok(c, add_special_tokens=False).input_ids)
+                                               for c in completions)
+            timing["completions"] += len(completions)
         return sum(self.task.score_problem(c, p) for c, p in zip(completions, problems)) / len(problems)
 
-    def score(self, problems) -> float:
+    def score(self, problems, timing: dict | None = None) -> float:
         """Mean reward of the current weights on `problems`: one response each (greedy by default)."""
         completions = self.generator.generate(problem_prompts(problems, self.generator.chat), self.sampling_params())
-        return self.mean_reward([c[0] for c in completions], problems)
+        return self.mean_reward([c[0] for c in completions], problems, timing)
 
     def evaluate_members(self, iteration: int, members: Sequence[int], problems=None,
                          timing: dict | None = None) -> dict[int, float]:
@@ -283,7 +288,7 @@ class ESEngine:
         for m in members:
             self.perturb(iteration, m, timing)
             t0 = time.perf_counter()
-            out[m] = self.score(problems)
+            out[m] = self.score(problems, timing)
             timing["generation_s"] += time.perf_counter() - t0
             self.restore(iteration, m, timing)
         return out
@@ -316,4 +321,5 @@ class ESEngine:
 
 
 def new_timing() -> dict:
-    return {"generation_s": 0.0, "noise_s": 0.0, "perturb_restore_s": 0.0}
+    # completion_tokens / completions: summed over members (and Ray workers); the row's completion_length
+    return {"generation_s": 0.0, "noise_s": 0.0, "perturb_restore_s": 0.0, "completion_tokens": 0, "completions": 0}

@@ -398,6 +398,6 @@ def evaluate_batched(engine, iteration: int, members: Sequence[int], problems,
             completions = generate_replicated(engine.generator, prompts, len(group), engine.sampling_params(),
                                               live, segment=SEGMENT, model=runner)
         for g, m in enumerate(group):
-            out[m] = engine.mean_reward(completions[g], problems)
+            out[m] = engine.mean_reward(completions[g], problems, timing)
         timing["generation_s"] += time.perf_counter() - t0
     return out

@@ -148,6 +148,7 @@ def _iteration(engine: ESEngine, backend, it: int) -> dict:
     mean = sum(rewards) / n
     timing.update({k: upd[k] for k in ("update_s", "update_noise_s", "checksum_s")})
     timing["iteration_s"] = time.perf_counter() - t0
+    tokens, count = timing.pop("completion_tokens", 0), timing.pop("completions", 0)
     return {
         "iteration": it,
         "reward_mean": mean,
@@ -160,6 +161,7 @@ def _iteration(engine: ESEngine, backend, it: int) -> dict:
         "update_rms": upd["update_rms"],
         "checksum": upd["checksum"],
         "compute_dtype": engine.compute_dtype,
+        "completion_length": tokens / count if count else None,  # mean tokens per member completion
         "timing": {k: round(v, 4) for k, v in timing.items()},
         **({"workers": upd["workers"]} if "workers" in upd else {}),
     }

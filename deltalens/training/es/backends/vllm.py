@@ -394,7 +394,7 @@ class VLLMESBackend:
                 timing[k] += v
             self.generator.reset_prefix_cache()
             t0 = time.perf_counter()
-            rewards.append(self.engine.score(problems))
+            rewards.append(self.engine.score(problems, timing))
             timing["generation_s"] += time.perf_counter() - t0
             # no publish: the next member's perturb or the update publishes (one weight reload less on CPU)
             for k, v in self._rpc("es_restore", iteration, m, False)[0].items():
