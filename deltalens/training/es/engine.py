@@ -268,9 +268,9 @@ class ESEngine:
         """Mean reward of one completion per problem; counts the completions' tokens into `timing` (the
         measured lengths FLOP accounting uses: deltalens.study.flops)."""
         if timing is not None:
-            timing["completion_tokens"] += sum(len(self.tok(c, add_special_tokens=False).input_ids)
-                                               for c in completions)
-            timing["completions"] += len(completions)
+            tokens = sum(len(self.tok(c, add_special_tokens=False).input_ids) for c in completions)
+            timing["completion_tokens"] = timing.get("completion_tokens", 0) + tokens
+            timing["completions"] = timing.get("completions", 0) + len(completions)
         return sum(self.task.score_problem(c, p) for c, p in zip(completions, problems)) / len(problems)
 
     def score(self, problems, timing: dict | None = None) -> float:

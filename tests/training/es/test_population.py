@@ -228,7 +228,7 @@ def _responses(eng, iteration, problems):
     """Rewards and the completions behind them, members one by one or batched per config."""
     seen = []
     score = eng.mean_reward
-    eng.mean_reward = lambda completions, probs: seen.append(list(completions)) or score(completions, probs)
+    eng.mean_reward = lambda completions, probs, timing=None: seen.append(list(completions)) or score(completions, probs)
     rewards, _ = LocalBackend(eng).evaluate(iteration, problems)  # batched when population_batch > 1
     del eng.mean_reward
     rewards = dict(enumerate(rewards))
