@@ -164,6 +164,10 @@ def study_flops(plan: list[dict], tolerance: float = FLOP_TOLERANCE) -> dict:
     return out
 
 
+def _g(x) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
 def _verdict(summary: dict, tol: float) -> tuple[bool | None, str]:
     if "es" not in summary or len(summary) < 2:
         return None, "FLOP matching: one method only, nothing to compare."
@@ -179,9 +183,12 @@ def _verdict(summary: dict, tol: float) -> tuple[bool | None, str]:
                       f"{', '.join(unknown)} record no completion lengths), so the budget's match is a statement "
                       f"about responses, not tokens.{charge}")
     ratios = {g: summary[g]["tokens_vs_es"] for g in others}
+    if any(r is None for r in ratios.values()):
+        return None, (f"FLOP-matched on measured figures (tolerance {tol:.0%}): {NOT_RECORDED} (no ES token cost "
+                      f"to compare with).{charge}")
     shown = ", ".join(f"{g} {r:.3g}x" for g, r in ratios.items())
     ok = all(abs(r - 1) <= tol for r in ratios.values())
-    lengths = ", ".join(f"{g} {summary[g]['completion_tokens']:.3g}" for g in summary)
+    lengths = ", ".join(f"{g} {_g(summary[g]['completion_tokens'])}" for g in summary)
     return ok, (f"FLOP-matched on measured figures (tolerance {tol:.0%}): {'held' if ok else 'did not hold'}: "
                 f"measured cost (token units: responses x passes x completion tokens) against the ES runs': "
                 f"{shown}; mean completion tokens {lengths}.{charge}")

@@ -107,3 +107,15 @@ def test_the_study_says_whether_flop_matching_held_on_measured_figures(tmp_path)
     s = study_flops(_plan(tmp_path / "e", None, [20.0, 20.0]))
     assert s["matched"] is None and s["groups"]["es"]["token_units"] is None
     assert "not recorded" in s["text"] and "grpo 1.25x" in s["text"]
+
+
+def test_the_statement_survives_a_group_without_a_mean_length():
+    """A chain's group can have token units but no single mean length (its stages differ): shown as n/a (the
+    demo's es-grpo group once made this a TypeError)."""
+    from deltalens.study.flops import _verdict
+
+    summary = {"es": {"measured_over_charged": 1.0, "token_units": 100.0, "tokens_vs_es": 1.0, "completion_tokens": 38.8},
+               "es-grpo": {"measured_over_charged": 1.12, "token_units": 113.0, "tokens_vs_es": 1.13,
+                           "completion_tokens": None}}
+    ok, text = _verdict(summary, 0.1)
+    assert ok is False and "es-grpo n/a" in text and "1.13x" in text
