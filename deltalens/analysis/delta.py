@@ -61,6 +61,7 @@ from deltalens.analysis.document import analysis_document, model_entry
 from deltalens.errors import DeltalensError
 from deltalens.io.source import TensorSource
 from deltalens.io.spec import check_arch, default_labels, resolve
+from deltalens.io.tensors import arch_config as tensors_arch_config
 from deltalens.io.tensors import open_tensors
 
 GROUPS = ("embed", "lm_head", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o", "attn_bias",
@@ -793,20 +794,7 @@ def rel_l2_ratios(diff: dict) -> list[dict]:
 def arch_config(arch: str | None) -> dict:
     """config.json of the architecture `arch` names (see `deltalens.io.spec.check_arch`); {} for none, or
     for one without a readable config.json (a GGUF, a hub id)."""
-    import json
-
-    arch = check_arch(arch)
-    if arch is None:
-        return {}
-    ref = resolve(arch)
-    f = Path(ref.location) / "config.json" if ref.kind == "hf_dir" else None
-    if f is None or not f.is_file():
-        return {}
-    try:
-        cfg = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise DeltalensError(f"--arch {arch}: {f} is not valid JSON ({e})") from e
-    return cfg if isinstance(cfg, dict) else {}
+    return tensors_arch_config(check_arch(arch))
 
 
 def _open(path, config: dict) -> TensorSource:
