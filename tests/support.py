@@ -157,3 +157,13 @@ def cli_commands(cmd=None, path=()):
             yield from cli_commands(sub, (*path, name))
     else:
         yield " ".join(path), cmd
+
+
+def proc_stat(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None when the process is gone
+    (Linux; the name may hold spaces and parentheses, so the fields start after its last ')')."""
+    try:
+        s = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return s[s.rindex(b")") + 2:].split()

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import proc_stat
 
 RAY = Path(sys.executable).with_name("ray")
 # Ray turns token authentication on for `ray start` when ~/.ray/auth_token exists, which any local
@@ -34,11 +35,9 @@ def free_port() -> int:
 
 
 def _stat(pid: int):
-    try:
-        s = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
+    f = proc_stat(pid)
+    if f is None:
         return None
-    f = s[s.rindex(b")") + 2:].split()
     return f[0], int(f[3])  # state, session id
 
 

@@ -21,7 +21,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from support import run_cli, tiny_spec
+from support import proc_stat, run_cli, tiny_spec
 
 from deltalens.training.es.backends import ray as ray_backend
 from deltalens.training.es.engine import ESEngine
@@ -33,11 +33,9 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /
 
 # -- /proc helpers
 def _stat(pid: int):
-    try:
-        s = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
+    f = proc_stat(pid)
+    if f is None:
         return None
-    f = s[s.rindex(b")") + 2:].split()
     return f[0], int(f[1]), int(f[19])  # state, ppid, start time
 
 
