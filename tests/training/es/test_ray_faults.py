@@ -147,7 +147,7 @@ def test_sigkill_of_the_driver_leaves_no_ray_process(tmp_path):
 # starts a fake agent, and an unrelated child; the test kills the driver and the raylet with SIGKILL (Ray's
 # PR_SET_PDEATHSIG does that to the real raylet), which orphans the agent.
 _FAKE_DRIVER = r"""
-import subprocess, sys, time
+import os, subprocess, sys, time
 from deltalens.training.es.backends.ray import start_reaper
 ray_dir = sys.argv[1]
 reaper = start_reaper()
@@ -155,24 +155,29 @@ agent = "import subprocess, sys, time; subprocess.Popen(sys.argv[2:]); time.slee
 raylet = subprocess.Popen([sys.executable, "-c", agent, ray_dir + "/raylet",
                            sys.executable, "-c", "import time; time.sleep(300)", ray_dir + "/agent"])
 other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-print(reaper[0].pid, raylet.pid, other.pid, flush=True)
+late = os.fork()  # shows this driver's command line (which names the ray directory) for 1 s, then execs
+if late == 0:
+    time.sleep(1.0)
+    os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(300)"])
+print(reaper[0].pid, raylet.pid, other.pid, late, flush=True)
 time.sleep(300)
 """
 
 
 def test_reaper_ends_the_orphans_of_a_killed_driver_and_nothing_else():
     driver = subprocess.Popen([sys.executable, "-c", _FAKE_DRIVER, RAY_DIR], stdout=subprocess.PIPE, text=True)
-    other, watched = None, {}
+    other, late, watched = None, None, {}
     try:
-        reaper, raylet, other = map(int, driver.stdout.readline().split())
+        reaper, raylet, other, late = map(int, driver.stdout.readline().split())
         deadline = time.monotonic() + 30
         while not (agent := [p for p in _descendants(raylet) if "/agent" in _cmdline(p)]):
             assert time.monotonic() < deadline, "the fake agent did not start"
             time.sleep(0.1)
         agent = agent[0]
         watched = {pid: start for pid, start in _descendants(driver.pid).items() if pid in (raylet, agent)}
-        other_start = _stat(other)[2]
-        time.sleep(1.5)  # the reaper looks every 0.5 s
+        other_start, late_start = _stat(other)[2], _stat(late)[2]
+        time.sleep(1.5)  # the reaper looks every 0.5 s; `late` has exec'd by now
+        assert "ray" not in _cmdline(late), _cmdline(late)
         os.kill(driver.pid, signal.SIGKILL)
         os.kill(raylet, signal.SIGKILL)
         driver.wait(timeout=10)
@@ -180,9 +185,10 @@ def test_reaper_ends_the_orphans_of_a_killed_driver_and_nothing_else():
         assert not _wait_gone(watched, 10)
         assert not _wait_gone({reaper: _stat(reaper)[2]} if _stat(reaper) else {}, 10)
         assert _alive(other, other_start), "the reaper killed a process that is not Ray's"
+        assert _alive(late, late_start), "the reaper killed a child it saw before its exec"
     finally:
         driver.kill()
-        for pid in [*watched, other] if other else watched:  # whatever a failed test left
+        for pid in [*watched, other, late] if other else watched:  # whatever a failed test left
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
 

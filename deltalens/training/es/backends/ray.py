@@ -41,7 +41,8 @@ cluster's lifetime to the driver's.
     it records the driver's descendants that are Ray's processes (`ray::...`, or a command line inside
     the ray package) with their start times; when the pipe from the driver reaches end-of-file (the
     driver closed it in `close()`, or died: the kernel closes it) it SIGTERMs every recorded process that
-    still lives (same pid *and* start time, so a reused pid is never hit), SIGKILLs those left after 3 s,
+    still lives (same pid *and* start time, so a reused pid is never hit) and still has a Ray command line
+    (a child seen between fork and exec shows its parent's), SIGKILLs those left after 3 s,
     and exits. A Ray process started and orphaned within one 0.5 s poll of the driver's death can escape;
     Linux only (it reads /proc).
 A Ray that the caller started (`ray.init` before the backend) is the caller's: neither is installed.
@@ -160,7 +161,8 @@ while os.getppid() == driver:
         break  # end-of-file: the driver closed the pipe or died
 seen.update(ray_descendants([p for p, t in seen.items() if alive(p, t)]))
 for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 1.0)):
-    left = {p: t for p, t in seen.items() if alive(p, t)}
+    # still Ray's now: a child caught between fork and exec showed its parent's command line then
+    left = {p: t for p, t in seen.items() if alive(p, t) and is_ray(p)}
     for p in left:
         try:
             os.kill(p, sig)
