@@ -3,8 +3,11 @@
     deltalens sweep es --model tiny --grid sigma=3e-3,6e-3 --grid alpha=1.5e-3,3e-3 --iterations 20 --out DIR
     deltalens sweep grpo --model tiny --grid learning_rate=2e-5,5e-5,1e-4 --steps 200 --seeds 0,1 --out DIR
 
+    deltalens sweep es --model smollm2 --grid sigma=3e-3,6e-3 --seeds 0,1 --out DIR --ray auto --cpus-per-run 8
+
 One subcommand per registered method (`deltalens.training.methods`); the fixed training options are
-generated from its config dataclass, as in `deltalens train`."""
+generated from its config dataclass, as in `deltalens train`, and the Ray options (--ray, --cpus-per-run,
+--gpus-per-run, --ray-files) from `deltalens.study.cluster.RayOptions`, as in `deltalens study`."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from deltalens.study.cluster import RayOptions
 from deltalens.training import methods
 
 from . import common as c
@@ -83,10 +87,11 @@ def _make(method: str, cls):
         grid = parse_grid(method, kwargs["grid"] or [])
         ev = Evaluation(limit=kwargs["val_limit"], samples=kwargs["val_samples"],
                         temperature=kwargs["val_temperature"], seeds=_seeds(kwargs["seeds"]))
+        ray = RayOptions.resolve(given=o.given(kwargs, RayOptions))  # --cpus-per-run without --ray: refused
         with c.progress_bar() as bar:
             doc = run_sweep(method, grid, o.given(kwargs, cls), kwargs["out"], preset=kwargs["preset"], ev=ev,
                             log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"),
-                            progress_factory=c.bar_factory(bar))
+                            progress_factory=c.bar_factory(bar), ray=ray)
         show(doc, Path(kwargs["out"]))
 
     return body
@@ -96,5 +101,6 @@ for _m in methods.registered():  # es, grpo
     _name = _m.config.NAME
     app.command(_m.name)(c.guard(o.command(
         _m.name, f"Sweep {_name} settings: train every grid point, score on validation problems.",
-        _params() + o.config_params(_m.config, exclude=("seed",), panel=f"{_name} options (fixed for every point)"),
+        _params() + o.config_params(_m.config, exclude=("seed",), panel=f"{_name} options (fixed for every point)")
+        + o.config_params(RayOptions, panel="Ray (docs/cluster.md)"),
         _make(_m.name, _m.config))))

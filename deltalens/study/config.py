@@ -7,9 +7,10 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from deltalens.config import NOT_NONE, Config, check, option
+from deltalens.config import Config, check, option
 from deltalens.methods import run_methods
 from deltalens.presets import default_task
+from deltalens.study.cluster import ray_checks, ray_option
 from deltalens.training.budget import parse_budget
 from deltalens.training.tracking import HELP as REPORT_TO_HELP
 from deltalens.training.tracking import normalize_report_to
@@ -19,7 +20,8 @@ PAPER_TEMPERATURE = 0.6  # the paper's evaluation temperature: claim 1's verdict
 
 @dataclass
 class StudyConfig(Config):
-    """Settings of a study (one help line each; `deltalens study --help`)."""
+    """Settings of a study (one help line each; `deltalens study --help`); --ray, --cpus-per-run, --gpus-per-run
+    and --ray-files are `deltalens.study.cluster.RayOptions`' (`ray_option`), shared with `deltalens sweep`."""
 
     METHOD: ClassVar[str] = "study"
     NAME: ClassVar[str] = "study"
@@ -56,13 +58,10 @@ class StudyConfig(Config):
                                                "seed, same budget: smaller N, more iterations), e.g. 4,8,16")
     two_point: bool = option(False, "claim 7: an extra two-point ES run per seed (N=2, one antithetic pair) at "
                              "the same budget")
-    ray: str | None = option(None, "run the study's tasks on Ray: auto, local or a cluster address host:port "
-                             "(default: in this process)")
-    cpus_per_run: float = option(1.0, "CPUs each task declares to Ray", needs=("ray", NOT_NONE))
-    gpus_per_run: float = option(0.0, "GPUs each task declares to Ray", needs=("ray", NOT_NONE))
-    ray_files: str = option("auto", "how files reach Ray workers: auto (probe every node for the study directory), "
-                            "shared (a filesystem every node mounts), objects (through Ray's object store), or a "
-                            "directory every node can reach (docs/cluster.md)", needs=("ray", NOT_NONE))
+    ray: str | None = ray_option("ray")
+    cpus_per_run: float = ray_option("cpus_per_run")
+    gpus_per_run: float = ray_option("gpus_per_run")
+    ray_files: str = ray_option("ray_files")
     noninferiority_margin: float = option(0.02, "non-inferiority margin of a 'keeps' check (ES keeps Pass@16/32): "
                                           "reproduced when method minus base is surely above -margin")
 
@@ -92,8 +91,7 @@ class StudyConfig(Config):
             (all(n >= 2 for n in self.population_sizes), "--population-sizes must be >= 2"),
             (not (self.population_sizes or self.two_point) or "es" in self.methods,
              "--population-sizes and --two-point compare against the es runs: add es to --methods"),
-            (self.ray is None or bool(self.ray.strip()), "--ray must be auto, local or host:port"),
-            (self.cpus_per_run > 0 and self.gpus_per_run >= 0, "--cpus-per-run must be > 0, --gpus-per-run >= 0"),
+            *ray_checks(self),  # --ray and its companions (deltalens.study.cluster)
             (all(0 < s < 1 for s in self.sparsity), "--sparsity values must lie in (0, 1)"),
             (self.sparsify_samples >= 1 and self.diversity_members >= 2 and self.diversity_prompts >= 1
              and self.entropy_prompts >= 1, "sample, member and prompt counts must be positive (members >= 2)"),

@@ -475,7 +475,7 @@ class TaskTable:
     def _render(self):
         from rich.table import Table
 
-        table = Table(*self.COLUMNS, title="study tasks on Ray", title_justify="left")
+        table = Table(*self.COLUMNS, title="tasks on Ray", title_justify="left")
         for key, r in self.rows.items():
             it = "" if r["iteration"] is None else str(r["iteration"])
             table.add_row(key, r["kind"], r["node"], r["state"], it, self._elapsed(r))

@@ -28,7 +28,6 @@ Everything a study can be refused for is checked before DIR is created or that f
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,9 +51,10 @@ from deltalens.study.checks import (  # noqa: F401  (re-exported: `from deltalen
     two_point_checks,
 )
 from deltalens.study.claims import CLAIMS, SEED_SPREAD, claims_of, temperature_text  # noqa: F401
+from deltalens.study.cluster import executor_for
 from deltalens.study.config import StudyConfig
 from deltalens.study.diversity import JS_ESTIMATOR, diversity_checks
-from deltalens.study.executor import Executor, LocalExecutor
+from deltalens.study.executor import Executor
 from deltalens.study.flops import study_flops
 from deltalens.study.measures import Measures, per_problem, read_result, uses_vllm  # noqa: F401
 from deltalens.study.plan import study_tasks, t_key
@@ -68,18 +68,6 @@ from deltalens.training.tracking import require
 Log = Callable[[str], None]
 BASE_DEFINITION = ("the mean over the base's sampling seeds, per problem (Pass@K and Maj@K of each seed's "
                    "evaluation averaged): every table, figure and verdict compares with it")
-
-def executor_for(cfg: StudyConfig, progress_factory=None, log: Log = print) -> Executor:
-    """The executor --ray asks for: in this process (None), or a RayExecutor at that address."""
-    if cfg.ray is None:
-        return LocalExecutor(progress_factory=progress_factory)
-    try:  # optional (ray is an extra): imported by name so that the import graph does not depend on it
-        mod = importlib.import_module("deltalens.study.ray_executor")
-    except ModuleNotFoundError as e:
-        raise DeltalensError(f"--ray needs deltalens.study.ray_executor and ray ({e.name} is not installed)") from e
-    files = {"auto": {}, "shared": {"shared_fs": True}, "objects": {"shared_fs": False}}.get(
-        cfg.ray_files, {"artefacts": cfg.ray_files})  # else: a directory every node reaches
-    return mod.RayExecutor(address=cfg.ray, log=log, **files)
 
 
 def run_graph(tasks, out: Path, executor: Executor, log: Log) -> dict:

@@ -16,6 +16,13 @@ point (highest validation Pass@1). A point whose interval against the best conta
 noise of the best": the validation data cannot tell them apart, and the sweep says so instead of
 pretending the best is a clear winner. Output: DIR/sweep.json and DIR/sweep.md (the table).
 
+The work is a task graph (`sweep_tasks`, `deltalens.study.executor`): one task per training run and
+per score, each score depending on its run only. Without --ray the graph runs in this process in plan
+order (every run, then the base, then every final model), as a sweep always has; with --ray ADDRESS
+(`deltalens.study.cluster`, as `deltalens study --ray`: --cpus-per-run, --gpus-per-run, --ray-files) every
+task is a Ray task and a run's score starts the moment that run ends. Either way the results land in DIR
+as above, so a sweep started on a cluster is resumed (or re-scored) anywhere.
+
 Settings that decide what a point means (method, model, task, preset, fixed options, evaluation
 settings) are pinned in DIR/sweep-settings.json: a rerun may add grid values or seeds, not change them.
 """
@@ -33,7 +40,7 @@ from pathlib import Path
 
 from deltalens.analysis import stats
 from deltalens.analysis.report import Cache, weights_hash
-from deltalens.config import brief, coerce, flag_name
+from deltalens.config import Config, brief, coerce, flag_name
 from deltalens.errors import DeltalensError
 from deltalens.evaluation import evaluate
 from deltalens.evaluation.options import check_eval_options
@@ -43,6 +50,8 @@ from deltalens.io.models import load_model
 from deltalens.io.outputs import Output, check_outputs
 from deltalens.io.runs import RunDir
 from deltalens.presets import auto_preset, default_task
+from deltalens.study.cluster import RayOptions, executor_for
+from deltalens.study.executor import Executor, Task, TaskContext
 from deltalens.tasks import get_task
 from deltalens.training import methods
 from deltalens.training.launch import check_start, train_unless_finished
@@ -171,14 +180,83 @@ def _run_dir(out: Path, name: str) -> Path:
     return d
 
 
+def _task_of(cfg: Config):
+    """The task (prompts and verifier) every model of the sweep is scored on: its runs' task."""
+    return get_task(cfg.task, data=cfg.data, question_field=cfg.question_field, answer_field=cfg.answer_field)
+
+
+# -- the task graph: module-level functions of (ctx, ...) with picklable arguments (deltalens.study.executor)
+
+
+def train_task(ctx: TaskContext, method: str, run: str, config: Config, total: int, label: str) -> dict:
+    """Train (or resume) the run DIR/runs/<run> with its resolved `config` unless it is finished."""
+    d = _run_dir(Path(ctx.root), run)
+    train_unless_finished(d, total, label, functools.partial(_method(method).train, config, d), log=ctx.log,
+                          progress_factory=ctx.progress)
+    return {"run": run, "dir": f"runs/{run}", "total": total}
+
+
+def score_task(ctx: TaskContext, ev: Evaluation, config: Config, label: str, *, model: str | None = None,
+               run: str | None = None) -> dict:
+    """Validation results of the base `model` or of run DIR/runs/<run>'s final weights (the first ev.limit
+    validation problems, ev.samples completions each at ev.temperature), cached in DIR/cache by the content
+    hash of the weights: {"per_problem": [[n, correct], ...], "mean_reward", "format_rate", "chat_template"}."""
+    task, chat = _task_of(config), config.chat_template
+    spec = model if run is None else str(RunDir(_run_dir(Path(ctx.root), run)).weights())
+    cache = Cache(Path(ctx.root) / "cache")
+    key = cache.key("sweep-eval", weights=weights_hash(spec), task=task.spec, limit=ev.limit,
+                    samples=ev.samples, temperature=ev.temperature, chat=chat, split="validation")
+
+    def compute():
+        model_, tok = load_model(spec)
+        n = len(task.validation(ev.limit)) * ev.samples
+        prog = ctx.progress(f"validation {label}", n) if ctx.progress else None
+        res = evaluate(model_, tok, task, samples=ev.samples, ks=[1], temperature=ev.temperature,
+                       limit=ev.limit, seed=0, split="validation", chat_template=chat, progress=prog)
+        return {"per_problem": [[r["n"], r["correct"]] for r in res["per_problem"]],
+                "mean_reward": res["mean_reward"], "format_rate": res["format_rate"],
+                "chat_template": res["chat_template"]}
+
+    return cache.get_or_compute(key, compute, ctx.log)
+
+
+def run_key(r: dict) -> str:
+    """A run's directory name under DIR/runs, which its task keys carry: 'sigma=0.003-s0'."""
+    return f"{r['name']}-s{r['seed']}"
+
+
+def sweep_tasks(method: str, runs: list[dict], model: str, ev: Evaluation, ray: RayOptions) -> list[Task]:
+    """The sweep's task graph, in the order the local executor runs it (every run, then every score):
+
+        train:<point>-s<seed>    train (or resume) one run            outputs runs/<point>-s<seed>
+        eval:base                the base on validation               outputs cache
+        eval:<point>-s<seed>     one run's final model on validation  needs train:<point>-s<seed>, outputs cache
+
+    Arguments name no path under DIR (each task finds its run under ctx.root), so the tasks also run on Ray
+    workers that do not share the driver's disk; every task declares --cpus-per-run / --gpus-per-run."""
+    res = ray.resources
+    first = runs[0]["config"]
+    tasks = [Task(f"train:{run_key(r)}", train_task, (method, run_key(r), r["config"], r["total"],
+                                                      f"[{i}/{len(runs)}] {r['name']} seed {r['seed']}"),
+                  kind="train", outputs=(f"runs/{run_key(r)}",), **res) for i, r in enumerate(runs, 1)]
+    tasks.append(Task("eval:base", score_task, (ev, first, "base"), {"model": model}, kind="eval",
+                      outputs=("cache",), **res))
+    tasks += [Task(f"eval:{run_key(r)}", score_task, (ev, first, f"{r['name']} s{r['seed']}"), {"run": run_key(r)},
+                   deps=(f"train:{run_key(r)}",), kind="eval", outputs=("cache",), **res) for r in runs]
+    return tasks
+
+
 def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, *, preset: str | None = None,
-              ev: Evaluation | None = None, log: Log = print, progress_factory=None) -> dict:
-    """Train every grid point (per seed), score all on validation, write DIR/sweep.json and DIR/sweep.md."""
+              ev: Evaluation | None = None, log: Log = print, progress_factory=None, ray: RayOptions | None = None,
+              executor: Executor | None = None) -> dict:
+    """Train every grid point (per seed), score all on validation, write DIR/sweep.json and DIR/sweep.md.
+    ray: where the tasks run (`deltalens.study.cluster`; default: in this process, one after the other);
+    executor: one given directly (tests), instead of the one `ray` asks for."""
     from deltalens.reports.markdown import sweep_markdown
 
-    trainer = _method(method).train
     ev = ev or Evaluation()
     ev.check()
+    ray = ray or RayOptions()
     out = Path(out)
     fixed = dict(fixed)
     model = fixed.get("model") or _method(method).config.field("model").default
@@ -188,13 +266,14 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
     require(runs[0]["config"].report_to)  # a missing tracker package
     check_outputs([Output(out, "--out", directory=True)], models=[model], files=[fixed.get("data")])
     first = runs[0]["config"]
-    task = get_task(first.task, data=first.data, question_field=first.question_field,
-                    answer_field=first.answer_field)
+    task = _task_of(first)
     if ev.limit is None and len(task.validation()) < 2 or ev.limit is not None and ev.limit < 2:
         raise DeltalensError("--val-limit must leave at least 2 validation problems (intervals need them)")
     # a missing, corrupt or incomplete model and `--chat-template on` without a template are refused before
     # DIR/sweep-settings.json pins the settings: else the corrected retry would be "a sweep with other settings"
     check_start(model, [first.chat_template])
+    # so is a bad --ray-files directory; the tasks read nothing of the sweep's settings (config_files)
+    executor = executor or executor_for(ray, progress_factory, log, config_files=())
     out.mkdir(parents=True, exist_ok=True)
     pinned = {k: str(v) for k, v in fixed.items() if k != "report_to"}  # tracking changes no point's meaning
     diff = pin_json({"method": method, "model": model, "preset": preset, "fixed": pinned,
@@ -203,35 +282,11 @@ def run_sweep(method: str, grid: dict[str, list], fixed: dict, out: str | Path, 
         raise DeltalensError(f"{out} is a sweep with other settings ({', '.join(sorted(diff))} differ); use another --out")
     t0 = time.time()
 
-    # -- training
-    for i, r in enumerate(runs, 1):
-        train_unless_finished(r["dir"], r["total"], f"[{i}/{len(runs)}] {r['name']} seed {r['seed']}",
-                              functools.partial(trainer, r["config"], r["dir"]), log=log,
-                              progress_factory=progress_factory)
-
-    # -- validation scores (cached by weights)
-    cache = Cache(out / "cache")
+    # -- training and validation scores (cached by weights): the task graph, here or on Ray
+    results = executor.run(sweep_tasks(method, runs, model, ev, ray), out, log)
+    base = results["eval:base"]
+    finals = {(r["name"], r["seed"]): results[f"eval:{run_key(r)}"] for r in runs}
     chat = first.chat_template
-
-    def score(spec: str, label: str) -> list[float]:
-        key = cache.key("sweep-eval", weights=weights_hash(spec), task=task.spec, limit=ev.limit,
-                        samples=ev.samples, temperature=ev.temperature, chat=chat, split="validation")
-
-        def compute():
-            model_, tok = load_model(spec)
-            n = len(task.validation(ev.limit)) * ev.samples
-            prog = progress_factory(f"validation {label}", n) if progress_factory else None
-            res = evaluate(model_, tok, task, samples=ev.samples, ks=[1], temperature=ev.temperature,
-                           limit=ev.limit, seed=0, split="validation", chat_template=chat, progress=prog)
-            return {"per_problem": [[r["n"], r["correct"]] for r in res["per_problem"]],
-                    "mean_reward": res["mean_reward"], "format_rate": res["format_rate"],
-                    "chat_template": res["chat_template"]}
-
-        return cache.get_or_compute(key, compute, log)
-
-    base = score(model, "base")
-    finals = {(r["name"], r["seed"]): score(str(RunDir(r["dir"]).weights()), f"{r['name']} s{r['seed']}")
-              for r in runs}
 
     def pass1(ev_: dict) -> list[float]:
         return [pass_at_k(n, c, 1) for n, c in ev_["per_problem"]]

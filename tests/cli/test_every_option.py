@@ -241,6 +241,8 @@ BASE_ARGS: dict[str, list[str]] = {
     "diff": ["diff", "tiny", "tiny"], "sparsify": ["sparsify", "tiny"], "diversity": ["diversity", "tiny"],
     "probe": ["probe", "tiny"], "demo": ["demo", "--out", "{out}/demo"], "render": ["render", "{analysis}"],
     "study scale": ["study", "scale", "{analysis}"],
+    "sweep es": ["sweep", "es", "--model", "tiny", "--grid", "sigma=1e-3", "--out", "{out}/sweep"],
+    "sweep grpo": ["sweep", "grpo", "--model", "tiny", "--grid", "lr=1e-6", "--out", "{out}/sweep"],
 }
 
 ROUTES: dict[str, dict[str, Route]] = {
@@ -393,6 +395,17 @@ ROUTES: dict[str, dict[str, Route]] = {
         "-o": R("-o", "{out}/r.html", check=lambda s, f: s["render_file"].args[1] == f["out"] / "r.html"),
     },
 }
+# sweep's Ray options (RayOptions, the study's): an accepted value would start training, so each route gives
+# one that the code reading it refuses, before anything is written; the refusal shows the value got there
+# (RayOptions' checks; RayExecutor's own, which exists only with --ray, for --ray and --ray-files).
+# tests/study/test_sweep_ray.py follows accepted values into the executor and every task.
+SWEEP_RAY = {
+    "--ray": R("--ray", "auto", "--ray-files", "{out}/absent", refused="the artefacts directory"),
+    "--ray-files": R("--ray", "auto", "--ray-files", "s3://bucket/x", refused="names another scheme"),
+    "--cpus-per-run": R("--ray", "auto", "--cpus-per-run", "0", refused="--cpus-per-run must be > 0"),
+    "--gpus-per-run": R("--ray", "auto", "--gpus-per-run", "-1", refused="--gpus-per-run >= 0"),
+}
+ROUTES.update({"sweep es": SWEEP_RAY, "sweep grpo": SWEEP_RAY})
 # the model argument of a route where the command's usual one does not do (a model with its own config.json
 # leaves --arch unused)
 MODEL_FOR = {("diversity", "--arch"): "{weights}"}

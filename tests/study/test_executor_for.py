@@ -7,6 +7,7 @@ import types
 import pytest
 
 from deltalens.errors import DeltalensError
+from deltalens.study import cluster
 from deltalens.study import run as study_run
 from deltalens.study.config import StudyConfig
 from deltalens.study.executor import LocalExecutor
@@ -19,8 +20,8 @@ def _fake_ray(monkeypatch) -> list[dict]:
         def __init__(self, **kw):
             made.append(kw)
 
-    real = study_run.importlib.import_module
-    monkeypatch.setattr(study_run.importlib, "import_module", lambda name: types.SimpleNamespace(
+    real = cluster.importlib.import_module
+    monkeypatch.setattr(cluster.importlib, "import_module", lambda name: types.SimpleNamespace(
         RayExecutor=RayExecutor) if name == "deltalens.study.ray_executor" else real(name))
     return made
 
