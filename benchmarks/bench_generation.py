@@ -5,6 +5,7 @@ beside this CPU's measured matmul peaks (the roofline fraction), and the agreeme
         [--layers 6] [--agreement-limit 100] [--out FILE]
     python benchmarks/bench_generation.py --greedy-only smollm2 [--limit 100] [--threads N] [--out FILE]
     python benchmarks/bench_generation.py --models tiny --repeat 1 --agreement-limit 0 --peak-calls 3   # smoke
+    python benchmarks/bench_generation.py --peak-only --threads 1 --out FILE   # the matmul peaks and CPU flags only
 
 1. Peak: a 256x576x1536 matmul (SmolLM2-135M's MLP shape at 256 rows) in fp32 and bf16, best of 3
    timings of --peak-calls calls each; also at 64 and 16 rows, the rows of the decode shapes below.
@@ -206,6 +207,18 @@ def agreement(spec: str = "tiny", limit: int = 100, samples: int = 8) -> dict:
     return out
 
 
+def cpu_description() -> dict:
+    """The CPU's model name and the flags that decide bf16's speed (AMX-BF16, AVX-512-BF16, AVX-512F, AVX2)."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    flags = cpu_flags()
+    return {"model_name": name, **{f: f in flags for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")}}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
@@ -218,6 +231,8 @@ def main():
                     help="comma-separated: tiny, smollm2-shaped (random, --layers layers), smollm2 (real)")
     ap.add_argument("--agreement-limit", type=int, default=100, help="tiny problems for the agreement (0: skip)")
     ap.add_argument("--peak-calls", type=int, default=20, help="matmul calls per peak timing")
+    ap.add_argument("--peak-only", action="store_true",
+                    help="only the fp32 and bf16 matmul peaks and the CPU's flags (what `auto` decides from)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -237,6 +252,18 @@ def main():
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         peaks[name] = {f"{m}x576x1536": round(matmul_gflops(m, 576, 1536, dt, calls=args.peak_calls), 1)
                        for m in (256, 64, 16)}
+    if args.peak_only:
+        res = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "cpu": cpu_description(), "auto_picks_bf16": bf16_is_fast("cpu"),
+               "load_average_before": [round(x, 2) for x in load0],
+               "load_average_after": [round(x, 2) for x in os.getloadavg()],
+               "matmul_peak_gflops": peaks,
+               "bf16_over_fp32": {k: round(peaks["bf16"][k] / peaks["fp32"][k], 2) for k in peaks["fp32"]}}
+        text = json.dumps(res, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return
     models = {}
     for m in args.models.split(","):
         if m == "tiny":
@@ -254,7 +281,7 @@ def main():
     rows = throughput(models, shapes, args.repeat, peaks)
     agree = agreement(limit=args.agreement_limit) if args.agreement_limit else None
     res = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "cpu_amx_bf16": "amx_bf16" in cpu_flags(), "auto_picks_bf16": bf16_is_fast("cpu"),
+           "cpu_amx_bf16": "amx_bf16" in cpu_flags(), "cpu": cpu_description(), "auto_picks_bf16": bf16_is_fast("cpu"),
            "load_average_before": [round(x, 2) for x in load0],
            "load_average_after": [round(x, 2) for x in os.getloadavg()],
            "wall_s": round(time.time() - t_start, 1),
