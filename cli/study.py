@@ -8,6 +8,7 @@ subcommand is a rewritten first word, as `train --method` is)."""
 from __future__ import annotations
 
 import inspect
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -19,6 +20,11 @@ from deltalens.study.config import StudyConfig
 
 from . import common as c
 from . import options as o
+
+
+def _finite(x):
+    """x, or None where it is missing or not a finite number (NaN bounds of a one-seed interval)."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 def show(doc: dict, out: Path, console=None) -> None:
@@ -37,9 +43,10 @@ def show(doc: dict, out: Path, console=None) -> None:
         if cl.get("note"):  # a paper claim the study did not run: the option that runs it
             t.add_row(Text("  " + cl["note"]), "", "", "")
         for ch in cl["checks"]:
-            est, lo, hi = ch["estimate"], ch["ci_low"], ch["ci_high"]
+            est, lo, hi = (_finite(ch[k]) for k in ("estimate", "ci_low", "ci_high"))
+            # an interval of one seed is undefined (NaN, NaN): said so, as verdicts.md says it
             t.add_row(Text("  " + ch["check"]), "-" if est is None else f"{est:.3g}",
-                      "-" if lo is None or hi is None else f"[{lo:.3g}, {hi:.3g}]", Text(ch["verdict"]))
+                      "undefined" if lo is None or hi is None else f"[{lo:.3g}, {hi:.3g}]", Text(ch["verdict"]))
     console.print(t)
     console.print(study["rule"], markup=False, highlight=False)
     flops = study.get("flops")

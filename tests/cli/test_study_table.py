@@ -27,3 +27,16 @@ def test_verdict_table_fits_80_columns_and_keeps_every_word():
         assert " ".join(f"({cl['id']}) {cl['title']}".split()) in column, cl["title"]
         for ch in cl["checks"]:
             assert " ".join(ch["check"].split()) in column, ch["check"]
+
+
+def test_a_one_seed_interval_reads_undefined_not_nan():
+    doc = json.loads(FIXTURE.read_text())
+    doc["study"]["config"].setdefault("task", "add:digits=1-2,terms=2,shots=2")
+    check = doc["study"]["claims"][0]["checks"][0]
+    check.update(estimate=3.0, ci_low=float("nan"), ci_high=float("nan"))  # stats.seed_interval of one seed
+    buf = io.StringIO()
+    show(doc, Path("study"), console=Console(file=buf, width=120))
+    text = buf.getvalue()
+    assert "nan" not in text.lower()
+    row = next(x for x in text.splitlines() if check["check"].split()[0] in x and "3" in x)
+    assert "undefined" in row, row
