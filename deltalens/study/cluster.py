@@ -40,7 +40,7 @@ class RayOptions(Config):
                              "cluster address host:port (default: in this process)")
     cpus_per_run: float = option(1.0, "CPUs each task declares to Ray", needs=("ray", NOT_NONE))
     gpus_per_run: float = option(0.0, "GPUs each task declares to Ray", needs=("ray", NOT_NONE))
-    ray_files: str = option("auto", "how files reach Ray workers: auto (probe every node for the output directory), "
+    ray_files: str = option("auto", "how files reach Ray workers: auto (probe every node for the study or sweep directory), "
                             "shared (a filesystem every node mounts), objects (through Ray's object store), or a "
                             "directory every node can reach (docs/cluster.md)", needs=("ray", NOT_NONE))
 
