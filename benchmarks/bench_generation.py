@@ -219,6 +219,14 @@ def cpu_description() -> dict:
     return {"model_name": name, **{f: f in flags for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")}}
 
 
+def emit(res: dict, out: str | None) -> None:
+    """Print the result as JSON, and write it to `out` when given."""
+    text = json.dumps(res, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
@@ -243,10 +251,7 @@ def main():
                "load_average_before": [round(x, 2) for x in load0],
                "agreement": agreement(args.greedy_only, args.limit, samples=0),
                "load_average_after": [round(x, 2) for x in os.getloadavg()], "wall_s": round(time.time() - t_start, 1)}
-        text = json.dumps(res, indent=2)
-        print(text)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
+        emit(res, args.out)
         return
     peaks = {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -259,10 +264,7 @@ def main():
                "load_average_after": [round(x, 2) for x in os.getloadavg()],
                "matmul_peak_gflops": peaks,
                "bf16_over_fp32": {k: round(peaks["bf16"][k] / peaks["fp32"][k], 2) for k in peaks["fp32"]}}
-        text = json.dumps(res, indent=2)
-        print(text)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
+        emit(res, args.out)
         return
     models = {}
     for m in args.models.split(","):
@@ -287,10 +289,7 @@ def main():
            "wall_s": round(time.time() - t_start, 1),
            "matmul_peak_gflops": peaks, "generation": rows, "agreement": agree,
            "vllm": None if importlib.util.find_spec("vllm") else "skipped: vllm is not importable here"}
-    text = json.dumps(res, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(res, args.out)
 
 
 if __name__ == "__main__":

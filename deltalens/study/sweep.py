@@ -157,8 +157,8 @@ def plan(method: str, grid: dict[str, list], fixed: dict, *, preset: str | None,
         for seed in ev.seeds:
             cfg = m.config.resolve(preset=preset, given={**fixed, **point, "seed": seed}, source="--grid")
             total = m.total(cfg)
-            runs.append({"point": point, "name": name, "seed": seed, "config": cfg, "total": total,
-                         "dir": _run_dir(out, f"{name}-s{seed}")})
+            run = {"point": point, "name": name, "seed": seed, "config": cfg, "total": total}
+            runs.append({**run, "dir": _run_dir(out, run_key(run))})
     return runs
 
 
