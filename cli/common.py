@@ -22,7 +22,6 @@ import os
 import sys
 import threading
 import time
-from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -38,17 +37,11 @@ from rich.progress import (
 )
 
 from deltalens.errors import DeltalensError
-from deltalens.evaluation.options import SHARED
 from deltalens.timefmt import duration
 
 console = Console(stderr=True)  # logs, progress, errors
 out = Console(markup=False)  # results (tables) on stdout, so `> file` and pipes get them and logs stay apart;
 # no markup: result tables hold user text (labels, paths, task specs) that must print as it is
-
-# ---- options of the hand-written commands (demo): the help lines of the shared option table, so they read as
-# the generated options of every other command do (deltalens.evaluation.options.SHARED; cli/options.py)
-Samples = Annotated[int, typer.Option("--samples", "-n", help=SHARED["samples"][2])]
-Seed = Annotated[int, typer.Option("--seed", min=0, help=SHARED["seed"][2])]
 
 
 def guard(fn):

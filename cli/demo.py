@@ -1,32 +1,48 @@
-"""`deltalens demo`: the study on the tiny model with a small budget (ES, GRPO, ES->GRPO; one seed)."""
+"""`deltalens demo`: the study on the tiny model with a small budget (ES, GRPO, ES->GRPO; one seed). Its options
+are generated from `DemoConfig` (cli/options.py), so `--config FILE` takes them as every command does."""
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 import typer
 from rich.table import Table
 
+from deltalens.config import Config, option
+from deltalens.evaluation.options import shared
+
 from . import common as c
+from . import options as o
 
 
-def demo(
-    out: Annotated[str, typer.Option("--out", "-o", help="output directory")] = "deltalens-demo",
-    budget: Annotated[float, typer.Option("--budget", help="training compute scale (1 = 8 ES iterations' worth)")] = 1.0,
-    limit: Annotated[int, typer.Option("--limit", help="test problems evaluated per model")] = 100,
-    samples: c.Samples = 32,
-    seed: c.Seed = 0,
-):
-    """The whole study at toy scale: base, ES, GRPO, ES->GRPO; Pass@K, diff, sparsify, diversity, verdicts, report."""
+@dataclass
+class DemoConfig(Config):
+    """Options of `deltalens demo` (one help line each): the arguments of `deltalens.demo.demo_config`."""
+
+    METHOD: ClassVar[str] = "demo"
+    NAME: ClassVar[str] = "demo"
+
+    budget: float = option(1.0, "training compute scale (1 = 8 ES iterations' worth)")
+    limit: int = option(100, "test problems evaluated per model")
+    samples: int = shared("samples")
+    seed: int = shared("seed")
+
+
+def _run(kwargs: dict) -> None:
     from deltalens.demo import demo_config, run_demo
 
     from .study import _plan, show
 
-    plan = c.FirstWork(*_plan(demo_config(budget, limit, samples, seed), Path(out)))  # said before the first work
+    cfg = o.resolve(DemoConfig, kwargs, arch=False)
+    out = kwargs["out"]
+    args = {"budget": cfg.budget, "limit": cfg.limit, "samples": cfg.samples, "seed": cfg.seed}
+    plan = c.FirstWork(*_plan(demo_config(**args), Path(out)))  # said before the first work
     with c.progress_bar() as bar:
         factory = plan.factory(c.bar_factory(bar))
-        doc = run_demo(out, budget=budget, limit=limit, samples=samples, seed=seed, progress_factory=factory,
+        doc = run_demo(out, **args, progress_factory=factory,
                        log=plan.log(lambda s: c.console.print(f"[dim]{c.escape(s)}[/]")))
     evals = doc["evals"]
     first = evals["base"]
@@ -43,3 +59,11 @@ def demo(
     c.out.print(table)
     c.out.print(f"seconds: {doc['study']['seconds']}")
     show(doc, Path(out))
+
+
+OUT = inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default="deltalens-demo",
+                        annotation=Annotated[str, typer.Option("--out", "-o", help="output directory")])
+
+demo = o.command("demo", "The whole study at toy scale: base, ES, GRPO, ES->GRPO; Pass@K, diff, sparsify, diversity, "
+                 "verdicts, report.", [OUT, *o.config_params(DemoConfig), o.config_file_param("demo", "budget: 2",
+                                                                                          arch=False)], _run)

@@ -4,18 +4,25 @@ drift from the configs. Every generated option defaults to None, meaning "not gi
 user actually passed reach `Config.resolve`, which is how presets, YAML files and stored runs can sit
 underneath them and how unused options are told apart from defaults.
 
-Every command takes its options this way: `train`, `sweep` and `study` from the training and study
-configs, and the analysis commands (`eval`, `report`, `diff`, `sparsify`, `diversity`, `probe`) from
-`deltalens.evaluation.options.EvalConfig` and `deltalens.analysis.options`. On all of them `--config FILE`
-is a YAML (or JSON) file of the command's options (`config_file_param`, `resolve`): unknown keys, wrong
-types and options unused in the combination given are refused, flags override the file. Positional
-arguments (MODELS, BASE, ...) stay typer arguments beside the generated options.
+Every command takes its options this way: `train`, `sweep`, `study` and `demo` from the training, sweep,
+study and demo configs, and the analysis commands (`eval`, `report`, `diff`, `sparsify`, `diversity`,
+`probe`) from `deltalens.evaluation.options.EvalConfig` and `deltalens.analysis.options`. On all of them
+`--config FILE` is a YAML (or JSON) file of the command's options (`config_file_param`, `resolve`,
+`split_options`): unknown keys, wrong types and options unused in the combination given are refused, flags
+override the file. Positional arguments (MODELS, BASE, ...) stay typer arguments beside the generated
+options (a file naming one is refused: `resolve(arguments=...)`).
+
+One name for one thing on every command: where a field's name is not the command-line name every other
+command uses for that thing, `RENAMED` gives the flag (and YAML key) its common name and keeps the field's
+own as the old name, still accepted and documented as such (`--ks` -> `--k`, `--output` -> `--out`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import re
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +30,20 @@ from typing import Annotated, Any
 
 import typer
 
-from deltalens.config import Config, flag_name, is_run_config, load_yaml
+from deltalens.config import Config, brief, flag_name, is_run_config, load_yaml
 from deltalens.errors import DeltalensError
+
+# (config NAME, field) -> the name of its flag and YAML key where the field's own name differs from the one every
+# other command gives that thing; the field's name stays accepted as the old name (flag and key)
+RENAMED: dict[tuple[str, str], str] = {
+    ("study", "ks"): "k",  # K values of Pass@K: --k on eval, report, sparsify
+    ("report", "output"): "out",  # the directory a command writes: --out on study, sweep, demo, train, sparsify
+}
+
+
+def cli_name(cls: type[Config], name: str) -> str:
+    """The command-line (and YAML) name of `cls`'s field `name`: the field's own, or its RENAMED one."""
+    return RENAMED.get((cls.NAME, name), name)
 
 
 def _cli_type(tp, repeat: bool = False) -> tuple[type, bool]:
@@ -56,15 +75,18 @@ def config_params(cls: type[Config], *, prefix: str = "", exclude: tuple[str, ..
         if not f.metadata.get("cli", True) or f.name in exclude:
             continue
         typ, is_flag = _cli_type(types[f.name], f.metadata.get("repeat", False))
-        main = flag_name(f.name, prefix)
-        extra = f.metadata.get("flags", ())
+        new = cli_name(cls, f.name)
+        main = flag_name(new, prefix)
+        old = flag_name(f.name) if new != f.name else None  # the field's own name: accepted, as the old name
+        extra = tuple(x for x in f.metadata.get("flags", ()) if x != flag_name(new)) + ((old,) if old else ())
         if is_flag:  # a switch: --name/--no-name, or the field's own names (--no-cache)
             names = list(extra) if extra and not prefix else [f"{main}/--no-{main[2:]}"]
         else:  # extra names: as they are, or prefixed like the main one (--prompts -> --es-prompts)
             names = [main] + (list(extra) if not prefix else [flag_name(x[2:], prefix) for x in extra
                                                                 if x.startswith("--")])
         default = _default_text(f)  # escaped: rich would read a bare [default: X] as markup and drop it
-        help_text = f.metadata["help"] + (f" \\[default: {default}]" if default else "")
+        help_text = (f.metadata["help"] + (f" ({flag_name(f.name, prefix)}: the old name)" if old else "")
+                     + (f" \\[default: {default}]" if default else ""))
         bounds = {"min": f.metadata["min"]} if f.metadata.get("min") is not None else {}
         opt = typer.Option(*names, help=help_text, show_default=False, rich_help_panel=panel, **bounds)
         params.append(inspect.Parameter(prefix + f.name, inspect.Parameter.KEYWORD_ONLY, default=None,
@@ -88,23 +110,28 @@ def given(kwargs: dict, cls: type[Config], *, prefix: str = "") -> dict:
     return out
 
 
-def config_file_param(what: str) -> inspect.Parameter:
-    """`--config FILE` of an analysis command: a YAML (or JSON) file of its options (`resolve`)."""
-    return param("config_file", Path | None, "--config",
-                 help=f"YAML (or JSON) file of {what} options (names as the flags', e.g. samples: 8); flags "
-                      "given here override it; an architecture is --arch")
+def config_file_param(what: str, example: str = "samples: 8", arch: bool = True,
+                      panel: str | None = None) -> inspect.Parameter:
+    """`--config FILE` of a command: a YAML (or JSON) file of its options (`resolve`, `split_options`).
+    `example`: one line of such a file; `arch`: the command has --arch (the hint names it)."""
+    return param("config_file", Path | None, "--config", panel=panel,
+                 help=f"YAML (or JSON) file of {what} options (names as the flags', e.g. {example}); flags given "
+                      "here override it" + ("; an architecture is --arch" if arch else ""))
 
 
 # keys of a model's own config.json (an architecture, which --config named before it meant a file of options)
 _MODEL_KEYS = ("model_type", "architectures", "hidden_size", "vocab_size")
 
 
-def options_file(path: str | Path, cls: type[Config]) -> dict:
-    """The mapping of `cls` options in the YAML/JSON file `path` (`--config`), read within limits
+def options_file(path: str | Path, cls: type[Config] | str, *, arch: bool = True) -> dict:
+    """The mapping of `cls` options (`cls`: a config, or the name of a command whose options several configs
+    share: `split_options`) in the YAML/JSON file `path` (`--config`), read within limits
     (`deltalens.config.load_yaml`). Anything else, an architecture above all (`--config tiny`, a model
     directory, a model's or a run's config.json: what `--config` meant on analysis commands before), is
-    refused with one line pointing at --arch."""
-    hint = f"--config is now a YAML file of {cls.NAME} options; use --arch for an architecture"
+    refused with one line pointing at --arch (`arch`: the command has it; else saying it is not a model)."""
+    name = cls if isinstance(cls, str) else cls.NAME
+    hint = (f"--config is now a YAML file of {name} options; use --arch for an architecture" if arch
+            else f"--config is a YAML file of {name} options, not a model")
     p = Path(path).expanduser()
     if not p.is_file():
         what = "a directory" if p.is_dir() else "not a file"
@@ -118,20 +145,86 @@ def options_file(path: str | Path, cls: type[Config]) -> dict:
     return data
 
 
-def resolve(cls: type[Config], kwargs: dict, *, unsupported: dict[str, str] | None = None) -> Config:
-    """The config of an analysis command: its `--config` file (kwargs["config_file"]) under the options
-    given on the command line; unknown keys, wrong types and unused options refused (`Config.resolve`).
+def file_keys(cls: type[Config], data: dict, source: str, *, arguments: tuple[str, ...] = ()) -> dict:
+    """A --config mapping keyed by `cls`'s field names: a RENAMED key (k, out) as its field (the old name, the
+    field's own, is accepted too, not both); a key naming one of the command's positional `arguments` (a
+    study's model) or a field kept off the command line is refused in one line, never silently replaced.
+    Other keys pass unchanged (`Config.resolve` refuses the unknown ones)."""
+    out = dict(data)
+    for f in dataclasses.fields(cls):
+        new = cli_name(cls, f.name)
+        if new != f.name and new in out:
+            if f.name in out:
+                raise DeltalensError(f"{source}: give {new} or {f.name} (its old name), not both")
+            out[f.name] = out.pop(new)
+        if f.name in out and (f.name in arguments or not f.metadata.get("cli", True)):
+            what = f"the {f.name.upper()} argument" if f.name in arguments else "not an option of the command line"
+            raise DeltalensError(f"{source}: {f.name} is {what}; drop it from the file")
+    return out
+
+
+def resolve(cls: type[Config], kwargs: dict, *, unsupported: dict[str, str] | None = None,
+            arguments: dict | None = None, arch: bool = True) -> Config:
+    """The config of a command: its `--config` file (kwargs["config_file"]) under the options given on the
+    command line; unknown keys, wrong types and unused options refused (`Config.resolve`).
 
     unsupported: {field: why} options the command declares (they belong to its family) but cannot pass on
-    yet; set explicitly, in the file or on the command line, they are refused in one line, never ignored."""
+    yet; set explicitly, in the file or on the command line, they are refused in one line, never ignored.
+    arguments: {field: value} the command's positional arguments set (a study's MODEL); the file may not.
+    arch: the command has --arch (what a file that is an architecture is pointed at)."""
     path = kwargs.get("config_file")
-    yaml = options_file(path, cls) if path is not None else {}
+    arguments = arguments or {}
+    yaml = {} if path is None else file_keys(cls, options_file(path, cls, arch=arch), str(path),
+                                             arguments=tuple(arguments))
     explicit = given(kwargs, cls)
-    cfg = cls.resolve(yaml=yaml, given=explicit, source=str(path))
+    with renamed(cls):
+        cfg = cls.resolve(yaml=yaml, given={**explicit, **arguments}, source=str(path))
     for name, why in (unsupported or {}).items():
         if name in yaml or name in explicit:
             raise DeltalensError(f"{flag_name(name)} is not yet supported by {cls.NAME} ({why}); drop it")
     return cfg
+
+
+@contextlib.contextmanager
+def renamed(cls: type[Config]):
+    """A refusal raised inside names a RENAMED option by its flag (--k), not by its field's old one (--ks)."""
+    try:
+        yield
+    except DeltalensError as e:
+        text = str(e)
+        for (name, field), new in RENAMED.items():
+            if name == cls.NAME:
+                text = re.sub(re.escape(flag_name(field)) + r"(?![\w-])", flag_name(new), text)
+        if text == str(e):
+            raise
+        raise DeltalensError(text) from None
+
+
+def split_options(data: dict, classes: dict[str, type[Config]], source: str, what: str) -> dict[str, dict]:
+    """A --config mapping of a command whose options come from several configs (a sweep: its own, the method's,
+    Ray's), split by key: {part: its keys (`file_keys`), coerced and checked by that config}. A key none of
+    them has is refused as `Config.check_keys` refuses one (naming them all), so no key is silently ignored."""
+    owner = {}
+    for part, cls in classes.items():
+        for f in dataclasses.fields(cls):
+            owner.setdefault(f.name, part)
+            owner.setdefault(cli_name(cls, f.name), part)
+    unknown = sorted((k for k in data if k not in owner), key=repr)
+    if unknown:
+        shown = ", ".join(brief(k, 40) for k in unknown[:5]) + (f" and {len(unknown) - 5} more"
+                                                                    if len(unknown) > 5 else "")
+        raise DeltalensError(f"{source}: unknown {what} option(s) {shown}; known: {', '.join(sorted(owner))}")
+    parts = {part: {} for part in classes}
+    for k, v in data.items():
+        parts[owner[k]][k] = v
+    return {part: file_keys(classes[part], parts[part], source) for part in classes}
+
+
+def seeds_checks(seeds: tuple[int, ...]) -> list[tuple[bool, str]]:
+    """The checks of a --seeds list (training seeds, `deltalens.config.check`), as `deltalens study --seeds`
+    refuses them (`StudyConfig`): at least one, distinct, each >= 0."""
+    return [(bool(seeds) and len(set(seeds)) == len(seeds), "--seeds must be distinct integers"),
+            (all(x >= 0 for x in seeds), f"--seeds must be >= 0 (got {','.join(map(str, seeds))})")]
 
 
 def command(name: str, doc: str, params: list[inspect.Parameter], body: Callable[[dict], Any]) -> Callable:

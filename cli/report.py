@@ -22,15 +22,15 @@ def render(
     analysis_json: Annotated[Path, typer.Argument(
         help="analysis.json written by the deltalens analysis commands.", dir_okay=False)],
     output: Annotated[Path | None, typer.Option(
-        "-o", "--output", dir_okay=False,
-        help="HTML file to write (default: the input path with the suffix .html).")] = None,
+        "--out", "-o", "--output", dir_okay=False,
+        help="HTML file to write (default: the input path with the suffix .html) (--output: the old name)")] = None,
 ) -> None:
     """Render an analysis.json into one self-contained HTML report that opens offline."""
     from deltalens.reports import render_file  # lazy: keeps `deltalens --help` fast
 
     from deltalens.io.outputs import Output, check_outputs
 
-    check_outputs([Output(output or analysis_json.with_suffix(".html"), "-o")], files=[analysis_json])
+    check_outputs([Output(output or analysis_json.with_suffix(".html"), "--out")], files=[analysis_json])
     path = render_file(analysis_json, output)
     typer.echo(str(path))
 
@@ -59,8 +59,8 @@ def run_report(base: str, models: list[str], cfg: ReportConfig) -> None:
     arch, task, data, thresholds, sparsity, held_out = (cfg.arch, cfg.task, cfg.data, cfg.thresholds, cfg.sparsity,
                                                         cfg.held_out)
     arch = check_arch(arch)
-    # the guard first: an -o that names an input (its state.json, a weight file) is refused as that
-    check_outputs([Output(output or DEFAULT_REPORT_DIR, "-o", directory=True)], models=[base, *models, arch],
+    # the guard first: an --out that names an input (its state.json, a weight file) is refused as that
+    check_outputs([Output(output or DEFAULT_REPORT_DIR, "--out", directory=True)], models=[base, *models, arch],
                   files=[data])
     paths = report_paths(output)
     floats = [] if thresholds is None else c.parse_floats(thresholds, "--thresholds", empty=True)
@@ -84,6 +84,6 @@ def run_report(base: str, models: list[str], cfg: ReportConfig) -> None:
 report = o.command("report", """Analyse BASE vs MODELS (diff, optional Pass@K, sparsification, diversity) into one HTML report.
 
     Writes DIR/report.html, DIR/analysis.json (`deltalens render` re-renders it without recomputing) and
-    DIR/cache/ (results by content hash, so a rerun recomputes only what changed); DIR is -o, default
+    DIR/cache/ (results by content hash, so a rerun recomputes only what changed); DIR is --out, default
     ./deltalens-report. Bare .pt/.safetensors inputs, the base included, take their architecture from --arch.
     """, [BASE, MODELS, *o.config_params(ReportConfig), o.config_file_param("report")], _report)

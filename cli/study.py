@@ -59,8 +59,7 @@ def show(doc: dict, out: Path, console=None) -> None:
 def _run(kwargs: dict) -> None:
     from deltalens.study.run import run_study
 
-    given = o.given(kwargs, StudyConfig)
-    cfg = StudyConfig.resolve(given={**given, "model": kwargs["model"]})
+    cfg = o.resolve(StudyConfig, kwargs, arguments={"model": kwargs["model"]}, arch=False)
     out = kwargs["out"]
     # said once the study's own up-front checks passed (a refusal stays one line): at its first log line or
     # progress bar, which come before any training or evaluation
@@ -72,28 +71,60 @@ def _run(kwargs: dict) -> None:
 
 
 def _plan(cfg: StudyConfig, out: Path) -> list[str]:
-    """The study's evaluations, stated before it starts (`deltalens.evaluation.cost`): Pass@K of the base
-    (each sampling seed) and of every run, and the sparsity sweeps (full update, then threshold, random mask
-    and shrink at each sparsity) of the first seed's ES and GRPO runs. Training comes on top. Nothing when
-    the task cannot be built: the study reports that itself."""
+    """The study's work, stated before it starts (`deltalens.evaluation.cost`), counted from the study's own
+    plan: its runs (`deltalens.study.runs.run_plan`: every method x seed, plus the --population-sizes and
+    --two-point runs) and its task graph (`deltalens.study.plan.study_tasks`): the Pass@K evaluations (the base
+    at each sampling seed and every run, at each temperature), the sparsity sweeps (the base once, then per
+    run the full update and, at each sparsity, threshold, random mask and shrink), the held-out tasks, and
+    what else runs. Nothing when the plan cannot be made: the study reports that itself."""
     from deltalens.errors import DeltalensError
     from deltalens.evaluation.cost import plan_line
+    from deltalens.study.plan import study_tasks
+    from deltalens.study.runs import by_group, run_plan, study_budget
     from deltalens.tasks import get_task
 
     try:
         task = get_task(cfg.task)
         problems = len(task.test(cfg.limit))
+        runs = run_plan(cfg, out)
+        tasks = study_tasks(cfg, runs)
+        held = {name: get_task(name) for name in cfg.held_out}
+        budget = study_budget(cfg)
     except DeltalensError:
         return []
-    common = {"problems": problems, "max_new_tokens": task.max_new_tokens, "model": cfg.model,
-              "backend": cfg.backend, "device": "cpu"}
-    runs = len(cfg.methods) * len(cfg.seeds)
-    lines = [plan_line(what=f"study Pass@K (the base at {cfg.base_seeds} sampling seeds, {runs} runs)",
-                       models=cfg.base_seeds + runs, samples=cfg.samples, **common)]
-    sparse_runs = sum(m in ("es", "grpo") for m in cfg.methods)
-    if sparse_runs and cfg.sparsity:
-        lines.append(plan_line(what="study sparsity", models=sparse_runs, points=1 + 3 * len(cfg.sparsity),
-                               samples=cfg.sparsify_samples, **common))
+
+    def keyed(prefix: str) -> list:
+        return [t for t in tasks if t.key.startswith(prefix)]
+
+    def n(count: int, word: str, words: str | None = None) -> str:
+        return f"{count} {word if count == 1 else words or word + 's'}"
+
+    common = {"model": cfg.model, "backend": cfg.backend, "device": "cpu"}
+    groups = by_group(runs)
+    lines = [(f"study training: {n(len(runs), 'run')} ({', '.join(groups)}; {n(len(cfg.seeds), 'seed')} each) at "
+              f"{budget:.4g} units each")]
+    temps = cfg.eval_temperatures
+    evals = keyed("eval:")
+    lines.append(plan_line(what=f"study Pass@K (the base at {n(cfg.base_seeds, 'sampling seed')}, "
+                                f"{n(len(runs), 'run')}" + (f", at {len(temps)} temperatures" if len(temps) > 1 else "")
+                                + ")", models=len(evals), problems=problems, samples=cfg.samples,
+                           max_new_tokens=task.max_new_tokens, **common))
+    sparse = keyed("sparsity:")
+    if sparse:
+        points = 1 + 3 * len(cfg.sparsity)  # the full update, then threshold, random mask and shrink per sparsity
+        labels = ", ".join(t.key.split(":", 1)[1] for t in sparse)
+        lines.append(plan_line(what=f"study sparsity (the base, then {labels}: the full update and "
+                                    f"{n(len(cfg.sparsity), 'sparsity', 'sparsities')} x threshold, random mask, shrink)",
+                               models=1 + len(sparse) * points, problems=problems, samples=cfg.sparsify_samples,
+                               max_new_tokens=task.max_new_tokens, **common))
+    for name, t in held.items():
+        lines.append(plan_line(what=f"study held-out {name}", models=len(keyed(f"heldout:{name}:")),
+                               problems=len(t.test(cfg.limit)), samples=cfg.samples,
+                               max_new_tokens=t.max_new_tokens, **common))
+    entropy, diversity = keyed("entropy:"), keyed("diversity:")
+    also = [f"the weight diff of {n(len(runs), 'run')}", f"token entropy of {n(len(entropy), 'model')}"]
+    also += [f"the population diversity around {t.key.split(':', 1)[1]}" for t in diversity]
+    lines.append(f"study also: {', '.join(also)}")
     if (out / "cache").is_dir():
         lines.append(f"(a rerun: what {out / 'cache'} already holds is not computed again)")
     return lines
@@ -106,7 +137,8 @@ def _params() -> list[inspect.Parameter]:
     out = inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=Path("deltalens-study"),
                             annotation=Annotated[Path, typer.Option("--out", "-o", help="study directory (runs, "
                                                                     "cache, analysis.json, report.html)")])
-    return [model, out, *o.config_params(StudyConfig)]
+    return [model, out, *o.config_params(StudyConfig),
+            o.config_file_param("study", "seeds: [0, 1]", arch=False)]
 
 
 def show_scale(res: dict, console=None) -> None:

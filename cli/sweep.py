@@ -5,20 +5,26 @@
 
     deltalens sweep es --model smollm2 --grid sigma=3e-3,6e-3 --seeds 0,1 --out DIR --ray auto --cpus-per-run 8
 
-One subcommand per registered method (`deltalens.training.methods`); the fixed training options are
-generated from its config dataclass, as in `deltalens train`, and the Ray options (--ray, --cpus-per-run,
---gpus-per-run, --ray-files) from `deltalens.study.cluster.RayOptions`, as in `deltalens study`."""
+    deltalens sweep es --config sweep.yaml --out DIR   # grid: {sigma: [3.0e-3, 6.0e-3]}, seeds: [0, 1], iterations: 20
+
+One subcommand per registered method (`deltalens.training.methods`); every option is generated from a config
+dataclass: the sweep's own (grid, seeds, preset, validation scoring) from `SweepConfig`, the fixed training
+options from the method's config, as in `deltalens train`, and the Ray options (--ray, --cpus-per-run,
+--gpus-per-run, --ray-files) from `deltalens.study.cluster.RayOptions`, as in `deltalens study`. `--config
+FILE` holds any of them in one mapping (`deltalens.cli.options.split_options`); flags override it."""
 
 from __future__ import annotations
 
-import functools
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
+from deltalens.config import Config, check, option
 from deltalens.study.cluster import RayOptions
 from deltalens.training import methods
 
@@ -32,30 +38,64 @@ app = typer.Typer(name="sweep", no_args_is_help=True, add_completion=False, pret
 PANEL = "Sweep"
 
 
-def _params() -> list[inspect.Parameter]:
-    p = functools.partial(o.param, panel=PANEL)
-    return [
-        p("out", Path, "--out", "-o", help="sweep directory (runs, cache, sweep.json, sweep.md)",
-          default=Path("deltalens-sweep")),
-        p("grid", list[str] | None, "--grid", help="an option and its values, name=v1,v2 (repeat for a product "
-                                                   "grid), e.g. sigma=3e-3,6e-3"),
-        p("seeds", str, "--seeds", help="training seeds of every point, comma-separated", default="0"),
-        p("preset", str | None, "--preset", help="hyperparameter preset under every point: auto (the model's own), "
-                                                 "paper, tiny, ..."),
-        p("val_limit", int, "--val-limit", help="validation problems scored (first N)", default=200),
-        p("val_samples", int, "--val-samples", help="samples per validation problem", default=8),
-        p("val_temperature", float, "--val-temperature", help="sampling temperature of the scoring (0 = greedy, "
-                                                             "with --val-samples 1)", default=0.6),
-    ]
+@dataclass
+class SweepConfig(Config):
+    """The sweep's own options (one help line each); its method's fixed options and Ray's are their configs'."""
+
+    METHOD: ClassVar[str] = "sweep"
+    NAME: ClassVar[str] = "sweep"
+
+    grid: tuple[str, ...] = option((), "an option and its values, name=v1,v2 (repeat for a product grid), e.g. "
+                                   "sigma=3e-3,6e-3; in --config a list of those, or a mapping of names to values",
+                                   repeat=True)
+    # as study --seeds: the same type (so the same parsing) and checks (`seeds_checks`), a sweep's help line
+    seeds: tuple[int, ...] = option((0,), "training seeds of every point, comma-separated")
+    preset: str | None = option(None, "hyperparameter preset under every point: auto (the model's own), paper, "
+                                "tiny, ...")
+    val_limit: int = option(200, "validation problems scored (first N)")
+    val_samples: int = option(8, "samples per validation problem")
+    val_temperature: float = option(0.6, "sampling temperature of the scoring (0 = greedy, with --val-samples 1)")
+
+    def __post_init__(self):
+        self.grid, self.seeds = tuple(self.grid), tuple(self.seeds)
+        check(o.seeds_checks(self.seeds))
 
 
-def _seeds(text: str) -> tuple[int, ...]:
-    from deltalens.errors import DeltalensError
+def _params(method) -> list[inspect.Parameter]:
+    out = o.param("out", Path, "--out", "-o", help="sweep directory (runs, cache, sweep.json, sweep.md)",
+                  default=Path("deltalens-sweep"), panel=PANEL)
+    return [out, *o.config_params(SweepConfig, panel=PANEL),
+            o.config_file_param("sweep", "grid: {sigma: [3.0e-3, 6.0e-3]}, iterations: 20", arch=False, panel=PANEL),
+            *o.config_params(method.config, exclude=("seed",), panel=f"{method.config.NAME} options (fixed for "
+                                                                       "every point)"),
+            *o.config_params(RayOptions, panel="Ray (docs/cluster.md)")]
 
-    try:
-        return tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise DeltalensError(f"--seeds must be comma-separated integers (got {text!r})") from None
+
+def _grid_text(grid) -> list:
+    """A --config `grid` as --grid's words: a mapping name: [v1, v2] -> ['name=v1,v2'], one string -> [it]."""
+    if isinstance(grid, dict):
+        return [f"{k}={','.join(map(str, v if isinstance(v, (list, tuple)) else [v]))}" for k, v in grid.items()]
+    return [grid] if isinstance(grid, str) else grid
+
+
+def _options(method, kwargs: dict) -> tuple[SweepConfig, dict, RayOptions]:
+    """(the sweep's own options, the method's fixed options, the Ray options): each from the --config file under
+    the flags given; a key of the file none of them has, a wrong type, an unused option: refused in one line."""
+    cls = method.config
+    path = kwargs.get("config_file")
+    parts = {"sweep": {}, "method": {}, "ray": {}}
+    if path is not None:
+        what = f"sweep {method.name}"
+        data = o.options_file(path, what, arch=False)
+        if "grid" in data:
+            data = {**data, "grid": _grid_text(data["grid"])}
+        parts = o.split_options(data, {"sweep": SweepConfig, "method": cls, "ray": RayOptions}, str(path), what)
+    own = SweepConfig.resolve(yaml=parts["sweep"], given=o.given(kwargs, SweepConfig), source=str(path))
+    ray = RayOptions.resolve(yaml=parts["ray"], given=o.given(kwargs, RayOptions), source=str(path))
+    cls.check_keys(parts["method"], str(path))  # wrong types refused here, naming the file
+    # the file's values as the command line gives them (a list as v1,v2), so sweep-settings.json pins the same text
+    fixed = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in parts["method"].items()}
+    return own, {**fixed, **o.given(kwargs, cls)}, ray
 
 
 def show(doc: dict, out: Path) -> None:
@@ -80,16 +120,16 @@ def show(doc: dict, out: Path) -> None:
     c.console.print(f"sweep: {out / 'sweep.json'}, {out / 'sweep.md'}", markup=False, highlight=False)
 
 
-def _make(method: str, cls):
+def _make(method):
     def body(kwargs: dict) -> None:
         from deltalens.study.sweep import Evaluation, parse_grid, run_sweep
 
-        grid = parse_grid(method, kwargs["grid"] or [])
-        ev = Evaluation(limit=kwargs["val_limit"], samples=kwargs["val_samples"],
-                        temperature=kwargs["val_temperature"], seeds=_seeds(kwargs["seeds"]))
-        ray = RayOptions.resolve(given=o.given(kwargs, RayOptions))  # --cpus-per-run without --ray: refused
+        own, fixed, ray = _options(method, kwargs)  # --cpus-per-run without --ray: refused
+        grid = parse_grid(method.name, list(own.grid))
+        ev = Evaluation(limit=own.val_limit, samples=own.val_samples, temperature=own.val_temperature,
+                        seeds=own.seeds)
         with c.progress_bar() as bar:
-            doc = run_sweep(method, grid, o.given(kwargs, cls), kwargs["out"], preset=kwargs["preset"], ev=ev,
+            doc = run_sweep(method.name, grid, fixed, kwargs["out"], preset=own.preset, ev=ev,
                             log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"),
                             progress_factory=c.bar_factory(bar), ray=ray)
         show(doc, Path(kwargs["out"]))
@@ -98,9 +138,6 @@ def _make(method: str, cls):
 
 
 for _m in methods.registered():  # es, grpo
-    _name = _m.config.NAME
     app.command(_m.name)(c.guard(o.command(
-        _m.name, f"Sweep {_name} settings: train every grid point, score on validation problems.",
-        _params() + o.config_params(_m.config, exclude=("seed",), panel=f"{_name} options (fixed for every point)")
-        + o.config_params(RayOptions, panel="Ray (docs/cluster.md)"),
-        _make(_m.name, _m.config))))
+        _m.name, f"Sweep {_m.config.NAME} settings: train every grid point, score on validation problems.",
+        _params(_m), _make(_m))))

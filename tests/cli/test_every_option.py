@@ -11,11 +11,15 @@ option:
   new option cannot go untested, and a command that stops passing a value on fails its route;
 - an option that means nothing in a combination (a `needs` rule of its config) is refused with exit 2
   and one `error:` line (`test_unused_options_are_refused`); NEEDS lists the rules, so dropping one fails;
-- `--config FILE` is a YAML file of the command's options on every analysis command: its values arrive,
-  unknown keys are refused, and an architecture there (the old meaning) is refused pointing at --arch.
+- `--config FILE` is a YAML file of the command's options on every command that has options: its values
+  arrive, unknown keys are refused, and an architecture there (the old meaning) is refused pointing at --arch;
+- one name for one thing (`test_same_name_same_thing`): --k, --out (-o), --config, --arch, --seeds, with the
+  old names (--ks, --output) still accepted.
 
-Generated commands (`train`, `sweep`, `study`) are routed generically: every option generated from a
-config field must reach the options dict the command hands on (`given`), by its field name.
+The options generated from the training and study configs (`train`, `sweep`, `study`) are routed
+generically: each must reach the options dict the command hands on (`given`), by its field name
+(`test_generated_options_are_routed`); every other option of those commands (run options, the sweep's own,
+--out, --config) has its route in ROUTES, as every option of the other commands has.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ def test_every_option_has_a_help_line():
     bare = [f"{c} {o}" for c, opts in TREE.items() for o, p in opts.items()
             if len((p.help or "").replace("\\[", "[").split("[default:")[0].strip()) < 8]
     assert not bare, f"options without a help line: {bare}"
-    assert {"eval", "report", "diff", "sparsify", "diversity", "probe", "train es", "study"} <= set(TREE)
+    assert {"eval", "report", "diff", "sparsify", "diversity", "probe", "train es", "study", "sweep es", "demo",
+            "render"} <= set(TREE)
 
 
 # ------------------------------------------------------------------ one option system
@@ -75,15 +80,61 @@ def test_shared_options_are_declared_once(name):
         assert f.metadata["flags"] == extra.get("flags", ()), f"{name}.{f.name}"
 
 
-def test_same_name_same_thing():
-    """`--k` (not --ks), `--arch` for an architecture, `--config` for a YAML file, on every analysis command."""
-    for cmd in CONFIGS:
-        names = {n for p in TREE[cmd].values() for n in (*p.opts, *p.secondary_opts)}
-        assert "--config" in names and "--ks" not in names, cmd
-        assert ("--k" in names) == (cmd in ("eval", "report", "sparsify")), cmd
+# commands with a YAML file of options (--config): every command with options but these
+NO_CONFIG = {"train resume", "study scale", "render", "models list", "models fetch"}
+# the option a command writes its output (a directory, or render's HTML file) to: --out, with -o; sparsify's --out
+# is an extra (its sparsified checkpoints), so no -o
+OUT = {"report", "render", "study", "demo", "sweep es", "sweep grpo", "train es", "train grpo", "train chain",
+       "sparsify"}
+
+
+def _names(cmd: str) -> dict[str, set[str]]:
+    """Every name of every option of `cmd` -> all names of that option."""
+    return {n: {*p.opts, *p.secondary_opts} for p in TREE[cmd].values() for n in (*p.opts, *p.secondary_opts)}
+
+
+@pytest.mark.parametrize("cmd", sorted(TREE))
+def test_same_name_same_thing(cmd):
+    """On every command: `--k` (--ks only as its old name), `--out`/-o for what it writes (--output only as its old
+    name), `--config` for a YAML file of options, `--arch` for an architecture (the analysis commands)."""
+    names = _names(cmd)
+    first = set(TREE[cmd])  # every option's main name
+    assert not {"--ks", "--output"} & first, cmd  # old names: never an option's main name
+    assert ("--config" in names) == (cmd not in NO_CONFIG), cmd
+    assert ("--k" in names) == (cmd in ("eval", "report", "sparsify", "study")), cmd
+    if "--ks" in names:
+        assert names["--ks"] == {"--k", "--ks"}, cmd
+    assert ("--out" in names) == (cmd in OUT), cmd
+    if "-o" in names or "--output" in names:
+        assert "--out" in (names.get("-o", set()) | names.get("--output", set())), cmd
+    if cmd in CONFIGS:
         assert ("--arch" in names) == (cmd != "probe"), cmd
         if "--compute-dtype" not in names:
             assert cmd == "diff", cmd  # every command that generates has it
+    else:
+        assert "--arch" not in names, cmd  # study, sweep, train take their model as a model spec
+
+
+def test_same_option_same_names():
+    """An option that several commands have has the same names on each (`--samples`/-n, `--task`/-t, ...)."""
+    seen: dict[str, tuple[str, frozenset]] = {}
+    for cmd in TREE:
+        for name, all_names in _names(cmd).items():
+            if not name.startswith("--") or name == "--help":
+                continue
+            short = frozenset(n for n in all_names if not n.startswith("--"))
+            other = seen.setdefault(name, (cmd, short))
+            assert other[1] == short or name in SHORT_DIFFERS, (name, other, (cmd, short))
+
+
+# long names whose short alias differs between commands (why)
+SHORT_DIFFERS = {
+    "--out": "-o everywhere, but sparsify's --out is not its output (its sparsified checkpoints) and takes none",
+    "--output": "the old name of --out",
+    # two things under one name (deltalens.analysis.options, deltalens.training.*.config; not the CLI's to rename):
+    # diversity's held-out prompts (-p) and training's prompts per iteration (an extra name of --prompts-per-iteration)
+    "--prompts": "diversity's -p prompts are held-out prompts, training's --prompts are prompts per iteration",
+}
 
 
 # ------------------------------------------------------------------ the fakes
@@ -127,6 +178,8 @@ def seen(monkeypatch) -> Seen:
     import deltalens.cli.diff
     import deltalens.cli.diversity
     import deltalens.cli.study
+    import deltalens.cli.sweep
+    import deltalens.cli.train
     import deltalens.reports
 
     import deltalens.analysis.delta
@@ -138,7 +191,10 @@ def seen(monkeypatch) -> Seen:
     import deltalens.evaluation
     import deltalens.generation
     import deltalens.generation.vllm
+    import deltalens.study.run
     import deltalens.study.scale
+    import deltalens.study.sweep
+    import deltalens.training.launch
     import deltalens.training.trained
     from deltalens.tasks import get_task
 
@@ -182,6 +238,12 @@ def seen(monkeypatch) -> Seen:
         "evals": {"base": {"task": "arith", "n_problems": 1, "samples": 1, "pass_at_k": {"1": 0.5}}},
         "diff": {}, "study": {"seconds": 0}}))
     monkeypatch.setattr(deltalens.cli.study, "show", fake("show"))
+    monkeypatch.setattr(deltalens.study.run, "run_study", fake("run_study", {}))
+    monkeypatch.setattr(deltalens.study.sweep, "run_sweep", fake("run_sweep", {}))
+    monkeypatch.setattr(deltalens.cli.sweep, "show", fake("show_sweep"))
+    monkeypatch.setattr(deltalens.training.launch, "start", fake("start", lambda *a, out=None, **k: out or "run"))
+    monkeypatch.setattr(deltalens.training.launch, "resume_run", fake("resume_run", lambda d, **k: d))
+    monkeypatch.setattr(deltalens.cli.train, "summary", fake("summary"))
     monkeypatch.setattr(deltalens.study.scale, "scale_analysis", fake("scale_analysis", {"models": []}))
     monkeypatch.setattr(deltalens.cli.study, "show_scale", fake("show_scale"))
     return s
@@ -237,12 +299,15 @@ EM, BA, EV, PR, DA = "evaluate_models", "build_analysis", "evaluate_state_dict",
 TASK = ("--task", "arith")  # a report evaluates (and so uses its evaluation options) only with a task
 
 BASE_ARGS: dict[str, list[str]] = {
-    "eval": ["eval", "tiny"], "report": ["report", "tiny", "tiny", "-o", "{out}/report"],
+    "eval": ["eval", "tiny"], "report": ["report", "tiny", "tiny", "--out", "{out}/report"],
     "diff": ["diff", "tiny", "tiny"], "sparsify": ["sparsify", "tiny"], "diversity": ["diversity", "tiny"],
     "probe": ["probe", "tiny"], "demo": ["demo", "--out", "{out}/demo"], "render": ["render", "{analysis}"],
     "study scale": ["study", "scale", "{analysis}"],
     "sweep es": ["sweep", "es", "--model", "tiny", "--grid", "sigma=1e-3", "--out", "{out}/sweep"],
     "sweep grpo": ["sweep", "grpo", "--model", "tiny", "--grid", "lr=1e-6", "--out", "{out}/sweep"],
+    "study": ["study", "tiny", "--out", "{out}/study"],
+    "train es": ["train", "es", "--out", "{out}/run"], "train grpo": ["train", "grpo", "--out", "{out}/run"],
+    "train chain": ["train", "chain", "--out", "{out}/run"], "train resume": ["train", "resume", "{out}/run"],
 }
 
 ROUTES: dict[str, dict[str, Route]] = {
@@ -278,8 +343,14 @@ ROUTES: dict[str, dict[str, Route]] = {
                            check=lambda s, f: s.kw(EM, "on_samples") is not None and (f["out"] / "s.jsonl").is_file()),
         "--config": R("--config", "{yaml:samples: 5\nk: '1,5'}", check=kw(EM, "samples", 5)),
     },
+    "study": {
+        "--out": R(check=lambda s, f: Path(s["run_study"].args[1]) == f["out"] / "study"),
+        "--config": R("--config", "{yaml:samples: 4\nk: [1, 4]\nseeds: [5]}",
+                      check=lambda s, f: (s["run_study"].args[0].samples, s["run_study"].args[0].ks,
+                                          s["run_study"].args[0].seeds) == (4, (1, 4), (5,))),
+    },
     "report": {
-        "--output": R(check=lambda s, f: (f["out"] / "report" / "analysis.json").is_file()
+        "--out": R(check=lambda s, f: (f["out"] / "report" / "analysis.json").is_file()
                       and (f["out"] / "report" / "report.html").is_file()),
         "--label": R("--label", "x", check=kw(BA, "labels", ["x"])),
         "--task": R(*TASK, check=kw(BA, "task", "arith")),
@@ -363,6 +434,7 @@ ROUTES: dict[str, dict[str, Route]] = {
         "--samples": R("--samples", "16", check=kw(PR, "samples", 16)),
         "--group": R("--group", "4", check=kw(PR, "group", 4)),
         "--temperature": R("--temperature", "0.7", check=kw(PR, "temperature", 0.7)),
+        "--temperatures": R("--temperatures", "0.5,1.0", check=kw(PR, "temperatures", (0.5, 1.0))),
         "--es-members": R("--es-members", "3", check=kw(PR, "es_members", 3)),
         "--es-prompts": R("--es-prompts", "5", check=kw(PR, "es_prompts", 5)),
         "--es-populations": R("--es-populations", "1", check=kw(PR, "es_populations", 1)),
@@ -390,28 +462,63 @@ ROUTES: dict[str, dict[str, Route]] = {
         "--limit": R("--limit", "4", check=kw("run_demo", "limit", 4)),
         "--samples": R("--samples", "4", check=kw("run_demo", "samples", 4)),
         "--seed": R("--seed", "2", check=kw("run_demo", "seed", 2)),
+        "--config": R("--config", "{yaml:budget: 0.25\nsamples: 2}", check=lambda s, f: (
+            s.kw("run_demo", "budget"), s.kw("run_demo", "samples")) == (0.25, 2)),
     },
     "render": {
-        "-o": R("-o", "{out}/r.html", check=lambda s, f: s["render_file"].args[1] == f["out"] / "r.html"),
+        "--out": R("--out", "{out}/r.html", check=lambda s, f: s["render_file"].args[1] == f["out"] / "r.html"),
+    },
+    "train resume": {
+        "--iterations": R("--iterations", "5", check=lambda s, f: s.kw("resume_run", "given") == {"iterations": 5}),
+        "--steps": R("--steps", "6", check=lambda s, f: s.kw("resume_run", "given") == {"steps": 6}),
     },
 }
-# sweep's Ray options (RayOptions, the study's): an accepted value would start training, so each route gives
-# one that the code reading it refuses, before anything is written; the refusal shows the value got there
-# (RayOptions' checks; RayExecutor's own, which exists only with --ray, for --ray and --ray-files).
-# tests/study/test_sweep_ray.py follows accepted values into the executor and every task.
-SWEEP_RAY = {
-    "--ray": R("--ray", "auto", "--ray-files", "{out}/absent", refused="the artefacts directory"),
-    "--ray-files": R("--ray", "auto", "--ray-files", "s3://bucket/x", refused="names another scheme"),
-    "--cpus-per-run": R("--ray", "auto", "--cpus-per-run", "0", refused="--cpus-per-run must be > 0"),
-    "--gpus-per-run": R("--ray", "auto", "--gpus-per-run", "-1", refused="--gpus-per-run >= 0"),
+# the run options of `train es|grpo|chain` (their config's options: test_generated_options_are_routed)
+TRAIN_RUN = {
+    "--out": R(check=lambda s, f: s.kw("start", "out") == f["out"] / "run"),
+    "--resume": R("--resume", "{out}/old", check=lambda s, f: s.kw("start", "resume") == f["out"] / "old"),
+    "--config": R("--config", "{yaml:seed: 4}", check=lambda s, f: str(s.kw("start", "yaml_path")).endswith(".yaml")),
+    "--preset": R("--preset", "paper", check=kw("start", "preset", "paper")),
+    "--overwrite": R("--overwrite", check=kw("start", "overwrite", True)),
 }
-ROUTES.update({"sweep es": SWEEP_RAY, "sweep grpo": SWEEP_RAY})
+ROUTES.update({"train es": TRAIN_RUN, "train grpo": TRAIN_RUN, "train chain": TRAIN_RUN})
+
+
+def _ev(name: str, value) -> Callable[[Seen, dict], bool]:
+    return lambda s, f: getattr(s.kw("run_sweep", "ev"), name) == value
+
+
+# the sweep's own options (SweepConfig), --out and --config (its method's options: test_generated_options_are_routed)
+SWEEP_OWN = {
+    "--out": R(check=lambda s, f: s["run_sweep"].args[3] == f["out"] / "sweep"),
+    "--grid": R("--grid", "temperature=0.5,0.75", check=lambda s, f: s["run_sweep"].args[1]["temperature"] == [0.5, 0.75]),
+    "--seeds": R("--seeds", "1,2", check=_ev("seeds", (1, 2))),
+    "--preset": R("--preset", "paper", check=kw("run_sweep", "preset", "paper")),
+    "--val-limit": R("--val-limit", "7", check=_ev("limit", 7)),
+    "--val-samples": R("--val-samples", "3", check=_ev("samples", 3)),
+    "--val-temperature": R("--val-temperature", "0.3", check=_ev("temperature", 0.3)),
+    "--config": R("--config", "{yaml:seeds: [3]\nmax_new_tokens: 9\ncpus_per_run: 2\nray: auto}",
+                  check=lambda s, f: s.kw("run_sweep", "ev").seeds == (3,) and s["run_sweep"].args[2]["max_new_tokens"]
+                  == 9 and (s.kw("run_sweep", "ray").ray, s.kw("run_sweep", "ray").cpus_per_run) == ("auto", 2.0)),
+}
+# sweep's Ray options (RayOptions, the study's) arrive at run_sweep (a fake: no executor starts);
+# tests/study/test_sweep_ray.py follows them into the executor and every task
+def _ray(name: str, value) -> Callable[[Seen, dict], bool]:
+    return lambda s, f: getattr(s.kw("run_sweep", "ray"), name) == value
+
+
+SWEEP_RAY = {
+    "--ray": R("--ray", "auto", check=_ray("ray", "auto")),
+    "--ray-files": R("--ray", "auto", "--ray-files", "s3://bucket/x", check=_ray("ray_files", "s3://bucket/x")),
+    "--cpus-per-run": R("--ray", "auto", "--cpus-per-run", "2", check=_ray("cpus_per_run", 2.0)),
+    "--gpus-per-run": R("--ray", "auto", "--gpus-per-run", "1", check=_ray("gpus_per_run", 1.0)),
+}
+ROUTES.update({"sweep es": {**SWEEP_OWN, **SWEEP_RAY}, "sweep grpo": {**SWEEP_OWN, **SWEEP_RAY}})
 # the model argument of a route where the command's usual one does not do (a model with its own config.json
 # leaves --arch unused)
 MODEL_FOR = {("diversity", "--arch"): "{weights}"}
-# commands with no options, and the generated ones (routed by test_generated_options_are_routed)
+# commands with no options
 NO_OPTIONS = {"models list", "models fetch"}
-GENERATED = {"train es", "train grpo", "train chain", "train resume", "sweep es", "sweep grpo", "study"}
 
 
 def _args(words, files: dict, tmp: Path) -> list[str]:
@@ -427,12 +534,16 @@ def _args(words, files: dict, tmp: Path) -> list[str]:
 
 
 def test_every_option_has_a_route():
-    """Every option of every command is in ROUTES (or its command is generated and routed generically)."""
-    missing = sorted(f"{c} {o}" for c, opts in TREE.items() if c not in GENERATED | NO_OPTIONS
-                     for o in opts if o not in ROUTES.get(c, {}))
+    """Every option of every command is in ROUTES, or generated from a training or study config and routed
+    generically (GEN); none is both."""
+    generated = {(c, _flag(n, cls)) for c, n, cls in GEN}
+    missing = sorted(f"{c} {o}" for c, opts in TREE.items() if c not in NO_OPTIONS
+                     for o in opts if o not in ROUTES.get(c, {}) and (c, o) not in generated)
     assert not missing, f"options without a route (add one to ROUTES): {missing}"
     gone = sorted(f"{c} {o}" for c, routes in ROUTES.items() for o in routes if o not in TREE.get(c, {}))
     assert not gone, f"ROUTES lists options the CLI does not have: {gone}"
+    both = sorted(f"{c} {o}" for c, o in generated if o in ROUTES.get(c, {}))
+    assert not both, f"routed twice: {both}"
 
 
 CASES = sorted((c, o) for c, routes in ROUTES.items() for o in routes)
@@ -520,6 +631,97 @@ def test_config_is_a_yaml_file_of_options(command, seen, files, tmp_path):
     assert not seen
 
 
+# the commands whose options come from the training, study and demo configs: (base words, the config's name in a
+# refusal); none of them has --arch, so a model named by --config is refused as not options
+FILE_COMMANDS = {"study": (BASE_ARGS["study"], "study"), "sweep es": (BASE_ARGS["sweep es"], "sweep es"),
+                 "sweep grpo": (BASE_ARGS["sweep grpo"], "sweep grpo"), "demo": (BASE_ARGS["demo"], "demo")}
+
+
+def _one_line(r) -> str:
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", FILE_COMMANDS)
+def test_config_file_of_study_sweep_demo(command, seen, files, tmp_path):
+    """--config on study, sweep and demo: an unknown key, a wrong type, a model or a model's config.json are
+    refused in one line with exit 2, before any work."""
+    words, name = FILE_COMMANDS[command]
+    base = _args(words, files, tmp_path)
+    cases = {"samplez: 3\n": f"unknown {name} option(s) 'samplez'", "seeds: x\n" if command != "demo" else
+             "seed: x\n": "must be an integer (got 'x')", "hidden_size: 8\n": "is a model's or run's config.json"}
+    for text, message in cases.items():
+        y = tmp_path / "o.yaml"
+        y.write_text(text)
+        assert message in _one_line(run_cli([*base, "--config", y])), (text, message)
+    for value in ("tiny", MODEL_DIR):
+        assert f"--config is a YAML file of {name} options, not a model" in _one_line(run_cli([*base, "--config", value]))
+    assert not seen
+
+
+def test_study_config_file(seen, files, tmp_path):
+    """A study's YAML: k (or its old name ks, not both) and every option by its flag's name; MODEL stays the
+    argument; flags override the file; a value the study refuses names --k, never the old --ks."""
+    y = tmp_path / "s.yaml"
+    base = _args(BASE_ARGS["study"], files, tmp_path)
+    y.write_text("ks: [1, 2]\nsamples: 2\ntemperatures: [0.6, 1.0]\n")
+    r = run_cli([*base, "--config", y, "--samples", "4"])
+    assert r.exit_code == 0, r.output
+    cfg = seen["run_study"].args[0]
+    assert (cfg.ks, cfg.samples, cfg.temperatures, cfg.model) == ((1, 2), 4, (0.6, 1.0), "tiny")
+    y.write_text("k: [1]\nks: [1]\n")
+    assert "give k or ks (its old name), not both" in _one_line(run_cli([*base, "--config", y]))
+    y.write_text("model: smollm2\n")
+    assert "model is the MODEL argument" in _one_line(run_cli([*base, "--config", y]))
+    y.write_text("k: [1, 64]\n")
+    assert _one_line(run_cli([*base, "--config", y])).startswith("error: --k must lie in 1..--samples")
+
+
+def test_sweep_config_file(seen, files, tmp_path):
+    """A sweep's YAML holds its own options (a grid as a mapping or a list), its method's and Ray's; flags override
+    it; a method option it does not use is refused as on the command line."""
+    y = tmp_path / "s.yaml"
+    y.write_text("grid: {sigma: [1.0e-3, 2.0e-3]}\nseeds: [0, 1]\nval_limit: 9\npreset: paper\nmodel: tiny\n"
+                 "iterations: 2\n")
+    r = run_cli(["sweep", "es", "--config", y, "--val-limit", "8", "--out", tmp_path / "sw"])
+    assert r.exit_code == 0, r.output
+    call = seen["run_sweep"]
+    assert call.args[1] == {"sigma": [1e-3, 2e-3]} and call.args[2] == {"model": "tiny", "iterations": 2}
+    assert (call.kwargs["ev"].seeds, call.kwargs["ev"].limit, call.kwargs["preset"]) == ((0, 1), 8, "paper")
+    y.write_text("grid: ['sigma=1e-3,2e-3', 'alpha=1e-3']\n")
+    assert run_cli(["sweep", "es", "--config", y, "--out", tmp_path / "sw"]).exit_code == 0
+    assert seen["run_sweep"].args[1] == {"sigma": [1e-3, 2e-3], "alpha": [1e-3]}
+    y.write_text("gpus_per_run: 1\n")
+    assert "--gpus-per-run is only used when --ray" in _one_line(run_cli(["sweep", "es", "--config", y, "--grid",
+                                                                          "sigma=1e-3"]))
+
+
+@pytest.mark.parametrize("command", ["study", "sweep"])
+def test_seeds_are_parsed_as_one_option(command, seen, files, tmp_path):
+    """study --seeds and sweep --seeds: one type, one parser, the same refusals."""
+    base = ["study", "tiny"] if command == "study" else ["sweep", "es", "--grid", "sigma=1e-3"]
+    for value, message in (("-1", "error: --seeds must be >= 0 (got -1)"), ("0,0", "error: --seeds must be distinct"),
+                           ("a", "error: command line: seeds must be an integer (got 'a')")):
+        assert _one_line(run_cli([*base, "--seeds", value, "--out", tmp_path / "o"])).startswith(message), value
+    assert not seen
+
+
+def test_old_names_still_work(seen, files, tmp_path):
+    """--ks (study), --output (report, render) and a report YAML's `output` key: accepted as the old names."""
+    r = run_cli([*_args(BASE_ARGS["study"], files, tmp_path), "--ks", "1,4", "--samples", "4"])
+    assert r.exit_code == 0 and seen["run_study"].args[0].ks == (1, 4), r.output
+    r = run_cli(["report", "tiny", "tiny", "--output", tmp_path / "rep"])
+    assert r.exit_code == 0 and (tmp_path / "rep" / "report.html").is_file(), r.output
+    r = run_cli(["render", files["analysis"], "--output", tmp_path / "r.html"])
+    assert r.exit_code == 0 and seen["render_file"].args[1] == tmp_path / "r.html", r.output
+    for key in ("out", "output"):
+        y = tmp_path / f"{key}.yaml"
+        y.write_text(f"{key}: {tmp_path / key}\n")
+        r = run_cli(["report", "tiny", "tiny", "--config", y])
+        assert r.exit_code == 0 and (tmp_path / key / "report.html").is_file(), r.output
+
+
 def test_command_line_overrides_the_config_file(seen, files, tmp_path):
     y = tmp_path / "e.yaml"
     y.write_text("samples: 5\nk: '1,5'\nseed: 3\n")
@@ -550,21 +752,52 @@ def _value(tp) -> tuple[list[str], object]:
     return ["x1"], "x1"  # str, tuples and float | str (budget): handed on as the text given
 
 
-def _generated() -> list[tuple[str, str, str]]:
-    from deltalens.cli import options as o
-
+def _cls(name: str):
     from deltalens.study.config import StudyConfig
     from deltalens.training.chain import ChainConfig
     from deltalens.training.es.config import ESConfig
     from deltalens.training.grpo.config import GRPOConfig
 
+    return {c.__name__: c for c in (ESConfig, GRPOConfig, ChainConfig, StudyConfig)}[name]
+
+
+def _generated() -> list[tuple[str, str, str]]:
+    """(command, parameter name, config class name) of every option generated from a training or study config:
+    a chain's stage options too (parameter es_sigma: --es-sigma)."""
+    from deltalens.cli import options as o
+
+    from deltalens.study.config import StudyConfig
+    from deltalens.training.chain import CHAIN_OWNED, ChainConfig
+    from deltalens.training.es.config import ESConfig
+    from deltalens.training.grpo.config import GRPOConfig
+
     out = []
-    for cmd, cls in (("train es", ESConfig), ("train grpo", GRPOConfig), ("train chain", ChainConfig),
-                     ("sweep es", ESConfig), ("sweep grpo", GRPOConfig), ("study", StudyConfig)):
-        for p in o.config_params(cls):
-            if flag_name(p.name) in TREE.get(cmd, {}):
+    for cmd, cls, prefix in (("train es", ESConfig, ""), ("train grpo", GRPOConfig, ""), ("train chain", ChainConfig, ""),
+                             ("train chain", ESConfig, "es_"), ("train chain", GRPOConfig, "grpo_"),
+                             ("sweep es", ESConfig, ""), ("sweep grpo", GRPOConfig, ""), ("study", StudyConfig, "")):
+        for p in o.config_params(cls, prefix=prefix, exclude=CHAIN_OWNED if prefix else ()):
+            if _flag(p.name, cls.__name__) in TREE.get(cmd, {}):
                 out.append((cmd, p.name, cls.__name__))
     return out
+
+
+def _split(name: str, cls: str) -> tuple[str, str]:
+    """(stage prefix, field name) of a generated parameter: es_sigma of ESConfig on a chain -> ("es_", "sigma")."""
+    stage = {"ESConfig": "es_", "GRPOConfig": "grpo_"}.get(cls, "")
+    field = name[len(stage):] if stage and name.startswith(stage) and name[len(stage):] in _fields(cls) else name
+    return name[:len(name) - len(field)], field
+
+
+def _fields(cls: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(_cls(cls))}
+
+
+def _flag(name: str, cls: str) -> str:
+    """The main flag of a generated parameter: its field's command-line name (RENAMED), stage-prefixed."""
+    from deltalens.cli import options as o
+
+    prefix, field = _split(name, cls)
+    return flag_name(o.cli_name(_cls(cls), field), prefix)
 
 
 GEN = _generated()
@@ -572,7 +805,8 @@ GEN = _generated()
 
 @pytest.mark.parametrize("command,name,cls", GEN, ids=[f"{c} --{n}" for c, n, _ in GEN])
 def test_generated_options_are_routed(command, name, cls, monkeypatch, tmp_path):
-    """Every option generated from a config field reaches the options the command hands on, by field name."""
+    """Every option generated from a config field reaches the options the command hands on, by field name (a chain
+    stage's under its stage: given["es"]["sigma"])."""
     from deltalens.cli import options as o
 
     import deltalens.study.sweep
@@ -596,20 +830,13 @@ def test_generated_options_are_routed(command, name, cls, monkeypatch, tmp_path)
     monkeypatch.setattr(deltalens.training.launch, "start", start)
     monkeypatch.setattr(deltalens.study.sweep, "run_sweep", run_sweep)
     monkeypatch.setattr(StudyConfig, "resolve", classmethod(resolve))
-    p = TREE[command][flag_name(name)]
-    field = next(q for q in o.config_params(_cls(cls)) if q.name == name)
+    prefix, field_name = _split(name, cls)
+    p = TREE[command][_flag(name, cls)]
+    field = next(q for q in o.config_params(_cls(cls), prefix=prefix) if q.name == name)
     words, want = _value(typing.get_args(field.annotation)[0])
     head = {"study": ["study", "tiny"], "sweep es": ["sweep", "es", "--grid", "sigma=1e-3"],
             "sweep grpo": ["sweep", "grpo", "--grid", "lr=1e-6"]}.get(command, command.split())
     r = run_cli([*head, "--out", tmp_path / "o", p.opts[0], *words])
     assert "error: routed" in r.output, r.output
-    assert got.get(name) == want, (name, got)
-
-
-def _cls(name: str):
-    from deltalens.study.config import StudyConfig
-    from deltalens.training.chain import ChainConfig
-    from deltalens.training.es.config import ESConfig
-    from deltalens.training.grpo.config import GRPOConfig
-
-    return {c.__name__: c for c in (ESConfig, GRPOConfig, ChainConfig, StudyConfig)}[name]
+    arrived = got.get(prefix[:-1], {}).get(field_name) if prefix else got.get(name)
+    assert arrived == want, (name, got)
