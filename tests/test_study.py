@@ -89,12 +89,12 @@ def test_cli_refuses_bad_settings_before_work(tmp_path):
     r = run_cli(["study", "tiny", "--out", tmp_path / "s", "--methods", "es,nope"])
     assert r.exit_code == 2 and "--methods must be among" in r.output and not (tmp_path / "s").exists()
     r = run_cli(["study", "tiny", "--out", tmp_path / "s", "--ks", "1,64", "--samples", "32"])
-    assert r.exit_code == 2 and "--ks must lie in" in r.output
+    assert r.exit_code == 2 and "--k must lie in" in r.output
     assert json.dumps(StudyConfig().to_dict())  # serialisable
     r = run_cli(["study", "tiny", "--out", tmp_path / "s", "--temperature", "1", "--temperatures", "0.6,1"])
     assert r.exit_code == 2 and "give --temperature or --temperatures, not both" in r.output
     r = run_cli(["study", "tiny", "--out", tmp_path / "s", "--k", "1,64", "--samples", "32"])
-    assert r.exit_code == 2 and "--ks must lie in" in r.output  # --k is --ks
+    assert r.exit_code == 2 and "--k must lie in" in r.output  # --ks is the old name of --k
     r = run_cli(["study", "tiny", "--out", tmp_path / "s", "--cpus-per-run", "2"])
     assert r.exit_code == 2 and "--ray" in r.output and not (tmp_path / "s").exists()  # only with --ray
 
@@ -132,7 +132,7 @@ def test_the_task_graph_declares_its_work():
     pickle.dumps(list(tasks.values()))  # a Ray worker gets them by reference
     more = StudyConfig(model="tiny", methods=("es",), seeds=(0,), population_sizes=(8, 4), two_point=True)
     runs = {r["label"]: r for r in study_run.run_plan(more, Path("s"))}
-    assert list(runs) == ["es-s0", "es-n4-s0", "es-n8-s0", "es-2pt-s0"]
+    assert list(runs) == ["es-s0", "es-n4-s0", "es-n8-s0", "es-n16-s0", "es-2pt-s0"]  # es-n16: claim 7's reference
     es, n4, two = (runs[k]["configs"]["es"] for k in ("es-s0", "es-n4-s0", "es-2pt-s0"))
     assert (n4.population, two.population, two.antithetic) == (4, 2, True)
     # FLOP-matched: every run spends (at most one iteration less than) the same units

@@ -12,6 +12,9 @@ Pass@K/Maj@K against one base, the mean over its sampling seeds per problem), wi
 (claims 2 and 4), claim 7's paired-reward correlation of the two-point runs (from their metrics rows,
 `two_point_checks`) and the entropy checks (claim 8); claim 3's come with the sparsity sweep
 (`deltalens.study.sparsity`), claims 9 and 10's with the population (`deltalens.study.diversity`).
+Claim 7 compares the two-point runs with ES at N = 16 on the same budget, the paper's comparison (the es
+runs when the preset's N is 16, else the es-n16 runs --two-point adds: `deltalens.study.runs`); each check
+names that group and N (`reference`, `reference_population`).
 
 Claim 7's mechanism. Two-point ES estimates the gradient from one antithetic pair per iteration,
 g ≈ (R+ - R-) ε / 2σ with R± = R(θ ± σε) (each the member's mean reward over the iteration's P prompts,
@@ -38,6 +41,7 @@ from deltalens.errors import DeltalensError
 from deltalens.io.runs import RunDir
 from deltalens.study.config import StudyConfig
 from deltalens.study.measures import per_problem
+from deltalens.study.runs import TWO_POINT, TWO_POINT_REFERENCE_N, two_point_reference
 
 NORM_ATTN = ("norm", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o", "attn_bias")
 EMBED_HEAD = ("embed", "lm_head")
@@ -181,8 +185,9 @@ def problems_lost_checks(cfg, base_evals, evals_by_group, R, at="") -> list[dict
 
 def population_checks(cfg, base_evals, evals_by_group, R) -> list[dict]:
     """Claim 6: each --population-sizes N's share of the reference ES run's Pass@1 gain (Fieller; reached at
-    SCALE_FRACTION). Claim 7: two-point ES (one antithetic pair) minus the reference ES at equal FLOPs, Pass@1
-    and Pass@Kmax: "no advantage" = surely below +TWO_POINT_MARGIN (direction -1 against that null)."""
+    SCALE_FRACTION). Claim 7: two-point ES (one antithetic pair) minus ES at N=16 at equal FLOPs (the group
+    `runs.two_point_reference` names: es when the preset's N is 16, else es-n16), Pass@1 and Pass@Kmax: "no
+    advantage" = surely below +TWO_POINT_MARGIN (direction -1 against that null)."""
     checks = []
     if "es" not in evals_by_group:
         return checks
@@ -196,14 +201,20 @@ def population_checks(cfg, base_evals, evals_by_group, R) -> list[dict]:
                                    f"{SCALE_FRACTION:g}", f"es-n{n}", "pass@1 gain share", est,
                                 ev.interval(stats.LEVEL), +1, null=SCALE_FRACTION, evidence=ev,
                                 seed_spread=len(evs) > 1, population=n))
-    two = evals_by_group.get("es-2pt")
+    two = evals_by_group.get(TWO_POINT)
     if two:
+        group = two_point_reference(cfg)
+        other = evals_by_group.get(group)
+        if not other:
+            raise DeltalensError(f"claim 7 compares the two-point runs with {group} (ES at N="
+                                 f"{TWO_POINT_REFERENCE_N}), which has no evaluations; rerun the study")
         for k in sorted({1, max(cfg.ks)}):
-            e = stats.paired_effect(table_of(two, "pass", k), table_of(ref, "pass", k), trained_base=True, span=1.0,
-                                    resamples=R, replicates=True)
-            checks.append(_effect_check(7, f"two-point es (N=2) minus es, Pass@{k}: no advantage (below "
-                                           f"+{TWO_POINT_MARGIN:g})", "es-2pt", k, e, -1, null=TWO_POINT_MARGIN,
-                                        trained_base=True))
+            e = stats.paired_effect(table_of(two, "pass", k), table_of(other, "pass", k), trained_base=True,
+                                    span=1.0, resamples=R, replicates=True)
+            checks.append(_effect_check(7, f"two-point es (N=2) minus {group} (N={TWO_POINT_REFERENCE_N}), "
+                                           f"Pass@{k}: no advantage (below +{TWO_POINT_MARGIN:g})", TWO_POINT, k,
+                                        e, -1, null=TWO_POINT_MARGIN, trained_base=True, reference=group,
+                                        reference_population=TWO_POINT_REFERENCE_N))
     return checks
 
 

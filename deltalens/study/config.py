@@ -45,9 +45,9 @@ class StudyConfig(Config):
     ks: tuple[int, ...] = option((1, 16, 32), "K values of Pass@K and Maj@K", flags=("--k",))
     sparsity: tuple[float, ...] = option((0.5, 0.9, 0.99), "target sparsities of the thresholding (claim 3)")
     sparsify_samples: int = option(8, "samples per problem of the sparsity evaluations (Pass@1)")
-    diversity_members: int = option(8, "ES population size of the diversity measurement (claim 7)")
+    diversity_members: int = option(8, "ES population size of the diversity measurement (claims 9 and 10)")
     diversity_prompts: int = option(16, "test prompts of the diversity measurement")
-    entropy_prompts: int = option(100, "test prompts of the token-entropy measurement (claim 6)")
+    entropy_prompts: int = option(100, "test prompts of the token-entropy measurement (claim 8)")
     held_out: tuple[str, ...] = option((), "held-out tasks evaluated for forgetting, comma-separated (e.g. arith-3)")
     chat_template: str = option("auto", "prompts through the tokenizer's chat template: auto, on, off")
     backend: str = option("hf", "backend of the Pass@K and sparsity evaluations: hf, or vllm (docs/vllm.md); "
@@ -57,7 +57,8 @@ class StudyConfig(Config):
     population_sizes: tuple[int, ...] = option((), "claim 6: extra ES runs at these population sizes N (every "
                                                "seed, same budget: smaller N, more iterations), e.g. 4,8,16")
     two_point: bool = option(False, "claim 7: an extra two-point ES run per seed (N=2, one antithetic pair) at "
-                             "the same budget")
+                             "the same budget, compared with ES at N=16 (the es runs if the preset's N is 16, "
+                             "else es-n16 runs, added unless --population-sizes lists 16)")
     ray: str | None = ray_option("ray")
     cpus_per_run: float = ray_option("cpus_per_run")
     gpus_per_run: float = ray_option("gpus_per_run")
@@ -90,7 +91,7 @@ class StudyConfig(Config):
              "--temperatures must be distinct values"),
             (all(n >= 2 for n in self.population_sizes), "--population-sizes must be >= 2"),
             (not (self.population_sizes or self.two_point) or "es" in self.methods,
-             "--population-sizes and --two-point compare against the es runs: add es to --methods"),
+             "--population-sizes and --two-point need the es runs: add es to --methods"),
             *ray_checks(self),  # --ray and its companions (deltalens.study.cluster)
             (all(0 < s < 1 for s in self.sparsity), "--sparsity values must lie in (0, 1)"),
             (self.sparsify_samples >= 1 and self.diversity_members >= 2 and self.diversity_prompts >= 1

@@ -10,7 +10,9 @@ config.json and metrics.jsonl (one row per iteration/step):
                        + 2 per response for the reference model when beta > 0, more passes when μ > 1)
     reference_units    the part of measured_units that is GRPO's reference pass (0 for ES)
     completion_tokens  mean response length in tokens over the run (the rows' `completion_length`: GRPO
-                       records TRL's mean per step; ES rows do not record it yet: None, "not recorded")
+                       records TRL's mean per step, ES the mean over its iteration's members and prompts;
+                       None, "not recorded", for a run whose rows have none, e.g. one from before ES
+                       recorded it)
     token_units        the measured cost in token units (~FLOPs / params): per iteration/step, its
                        responses x passes per token x that row's mean length, summed
                        (`grpo_token_units_per_step`, `es_token_units_per_iteration`); None where lengths are

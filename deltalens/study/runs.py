@@ -7,6 +7,12 @@ model's ES preset; `deltalens.training.budget`), each in DIR/runs/<label>:
     es-2pt-s0, ...                       --two-point: ES with one antithetic pair (N = 2), same budget, for
                                          claim 7 (group es-2pt)
 
+Claim 7 compares two-point ES with ES at N = 16 (TWO_POINT_REFERENCE_N, the paper's) at the same budget:
+with --two-point the plan holds such a group (`two_point_reference`): the study's es runs when the preset's
+N is 16, else es-n16, --population-sizes' run at N = 16, added when that option does not list 16. A label
+always means one run (es-n16-s0 is ES at N = 16 on this budget, whichever option asked for it), so a
+rerun with --two-point added resumes every run it already has.
+
 `run_plan` resolves each run's configs (nothing is trained here); `deltalens.study.train` trains one.
 """
 
@@ -23,6 +29,7 @@ from deltalens.training.chain import stage_configs
 from deltalens.training.es.config import ESConfig
 
 TWO_POINT = "es-2pt"  # the group of --two-point's runs
+TWO_POINT_REFERENCE_N = 16  # claim 7: two-point ES against ES at this population N (the paper's), same budget
 
 
 def shown(run_dir, out: Path) -> str:
@@ -43,6 +50,26 @@ def study_budget(cfg: StudyConfig) -> float:
     return float(es.units(es.config.preset(preset_of(cfg)), 20))
 
 
+def preset_population(cfg: StudyConfig) -> int:
+    """N of the study's es runs: the ES preset's population (nothing else the study sets changes it)."""
+    return ESConfig.preset(preset_of(cfg)).population
+
+
+def two_point_reference(cfg: StudyConfig) -> str:
+    """The group claim 7 compares the two-point runs with (module docstring): es when the preset's N is
+    TWO_POINT_REFERENCE_N, else es-n16."""
+    return "es" if preset_population(cfg) == TWO_POINT_REFERENCE_N else f"es-n{TWO_POINT_REFERENCE_N}"
+
+
+def population_sizes(cfg: StudyConfig) -> tuple[int, ...]:
+    """The N of the extra ES groups es-n<N>: --population-sizes, plus N = 16 for claim 7's reference when
+    --two-point needs one (`two_point_reference`), ascending."""
+    sizes = set(cfg.population_sizes)
+    if cfg.two_point and two_point_reference(cfg) != "es":
+        sizes.add(TWO_POINT_REFERENCE_N)
+    return tuple(sorted(sizes))
+
+
 def _es_variant(preset: str, given: dict, population: int, two_point: bool) -> ESConfig:
     """ES at population N (two-point: N = 2 mirrored), every other setting the preset's; population-batched
     generation is capped at N (it cannot batch more members than there are)."""
@@ -53,11 +80,12 @@ def _es_variant(preset: str, given: dict, population: int, two_point: bool) -> E
 
 def run_plan(cfg: StudyConfig, out: Path) -> list[dict]:
     """Every run: its group (what the claims compare), method, seed, label, directory, total iterations/steps
-    and the configs it trains with (nothing is trained here)."""
+    and the configs it trains with (nothing is trained here). The groups: the methods, then es-n<N> for each
+    `population_sizes` N, then es-2pt."""
     preset, budget = preset_of(cfg), study_budget(cfg)
     common = {"model": cfg.model, "task": cfg.task, "chat_template": cfg.chat_template, "report_to": cfg.report_to}
     groups = [(m, m, None) for m in cfg.methods]
-    groups += [(f"es-n{n}", "es", n) for n in cfg.population_sizes]
+    groups += [(f"es-n{n}", "es", n) for n in population_sizes(cfg)]
     groups += [(TWO_POINT, "es", 2)] if cfg.two_point else []
     plan = []
     for group, method, population in groups:

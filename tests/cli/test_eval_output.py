@@ -287,14 +287,15 @@ def test_diversity_states_its_cost_before_its_table(tmp_path, monkeypatch):
 
 
 def test_demo_states_its_study_cost(tmp_path):
-    """The demo says what the study it runs will evaluate (the same lines `deltalens study` prints)."""
+    """The demo says what the study it runs will train and evaluate (the same lines `deltalens study` prints)."""
     from cli.study import _plan
     from deltalens.demo import demo_config
 
     cfg = demo_config(limit=100, samples=32)
     lines = _plan(cfg, tmp_path / "demo")
     runs = len(cfg.methods) * len(cfg.seeds)
-    assert lines[0].startswith(f"study Pass@K (the base at {cfg.base_seeds} sampling seeds, {runs} runs): "
+    assert lines[0].startswith(f"study training: {runs} runs (es, grpo, es-grpo; 1 seed each)"), lines
+    assert lines[1].startswith(f"study Pass@K (the base at {cfg.base_seeds} sampling seed, {runs} runs): "
                                f"{cfg.base_seeds + runs} models x 100 problems x 32 samples"), lines
 
 
@@ -322,7 +323,8 @@ def test_probe_and_study_state_their_cost_first(tmp_path, monkeypatch):
     r = run_cli(["probe", tiny_spec(), "--limit", "5", "-n", "8", "--es-populations", "0"])
     n = get_task("arith").max_new_tokens
     assert r.exit_code == 2 and r.stderr.splitlines() == [
-        (f"probe: 1 model x 5 problems x 8 samples = 40 generations (<= {n} new tokens each); no rate measured "
+        (f"probe (sampled at T=0.6, 1): 1 model x 2 temperatures x 5 problems x 8 samples = 80 generations "
+         f"(<= {n} new tokens each); no rate measured "
          "yet on this machine for tiny/hf: the progress line gives an ETA"), "sampled: 0/40 (0%), 0 s elapsed",
         "error: stopped before any work"], r
     # the study: a refusal of its own up-front checks stays one line; past them, the plan comes first
@@ -338,10 +340,14 @@ def test_probe_and_study_state_their_cost_first(tmp_path, monkeypatch):
     monkeypatch.setattr(study, "run_study", first_run)
     r = run_cli(args)
     tail = " new tokens each); no rate measured yet on this machine for tiny/hf: the progress line gives an ETA"
-    assert r.exit_code == 2 and r.stderr.splitlines() == [
+    lines = r.stderr.splitlines()
+    assert r.exit_code == 2 and lines[0].startswith("study training: 6 runs (es, grpo, es-grpo; 2 seeds each) at ")
+    assert lines[1:] == [
         f"study Pass@K (the base at 3 sampling seeds, 6 runs): 9 models x 10 problems x 32 samples = 2,880 "
         f"generations (<= {n}" + tail,
-        f"study sparsity: 2 models x 10 points x 10 problems x 8 samples = 1,600 generations (<= {n}" + tail,
+        "study sparsity (the base, then es-s0, grpo-s0: the full update and 3 sparsities x threshold, random mask, "
+        f"shrink): 21 models x 10 problems x 8 samples = 1,680 generations (<= {n}" + tail,
+        "study also: the weight diff of 6 runs, token entropy of 5 models, the population diversity around es-s0",
         "es-s0: training (20 iterations/steps)", "error: stopped before any work"], r
 
 

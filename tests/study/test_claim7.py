@@ -98,3 +98,16 @@ def test_too_few_iterations_or_not_two_point(tmp_path):
     assert math.isnan(c["estimate"]) and c["_evidence"] is None  # one pair: untestable, shown as such
     with pytest.raises(DeltalensError, match="is not a two-point run"):
         two_point_checks({"es-s0": _run(tmp_path, "es", A, {**TWO_POINT, "population": 4})}, 200)
+
+
+def test_the_check_is_valid_in_analysis_json(tmp_path):
+    """The check goes into analysis.json as it is: its fields must match the schema's check item (`runs` a
+    count, `pairs` a mapping run -> pairs); a mismatch made every --two-point study's document invalid."""
+    import jsonschema
+
+    from deltalens.schema import schema
+
+    root = schema()
+    item = root["$defs"]["study"]["properties"]["claims"]["items"]["properties"]["checks"]["items"]
+    (c,) = adjust(two_point_checks({"es-2pt-s0": _run(tmp_path, "a", A), "es-2pt-s1": _run(tmp_path, "b", B)}, 200))
+    jsonschema.validate(json.loads(json.dumps(c)), {"$defs": root["$defs"], **item})
