@@ -6,20 +6,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from deltalens.io.runs import RunDir
+from deltalens.io.spec import ModelRef
 from deltalens.methods import is_run_method
 from deltalens.schema import new_document
 
 
-def model_entry(label: str, path, shown: str | None = None) -> dict:
-    """The schema's models[] entry: kind "run" for a deltalens run directory (`RunDir.is_run`), with
-    its method from the run's config when it names one (`deltalens.methods`), else "checkpoint". `shown`:
-    the path written into the document when it differs from the one read (a study's runs, relative to
-    the study)."""
-    p = Path(str(path))
+def model_entry(label: str, path: str | Path | ModelRef, shown: str | None = None) -> dict:
+    """The schema's models[] entry: kind "run" for a deltalens run directory, with its method from the
+    run's config when it names one (`deltalens.methods`), else "checkpoint". `path`: a resolved
+    `ModelRef` (its `run` says whether it is a run directory; its spec is the path written), or a path
+    (checked with `RunDir.is_run`, the one run-directory check). `shown`: the path written into the
+    document when it differs from the one read (a study's runs, relative to the study)."""
+    if isinstance(path, ModelRef):
+        run, path = path.run, path.spec
+    else:
+        run = Path(str(path)) if RunDir.is_run(Path(str(path))) else None
     kind, method = "checkpoint", None
-    if RunDir.is_run(p):
+    if run is not None:
         kind = "run"
-        m = RunDir(p).method()
+        m = RunDir(run).method()
         method = m if is_run_method(m) else None
     return {"label": label, "path": str(path) if shown is None else shown, "kind": kind, "method": method}
 

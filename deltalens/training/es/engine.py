@@ -19,7 +19,7 @@ once per member.
 
 What ε is comes from the config's noise family (`deltalens.training.es.noise`: Gaussian "full",
 "lowrank", or a registered one), applied through the same `Perturber` the population-batched and vLLM
-paths use.
+paths use; perturb, restore and update are `noise.ReplicaES`, the steps `FusedES` (vLLM) runs too.
 
 Where we depart from the paper / its reference code (seeds and arithmetic: `strategy`):
 - Restore by copying a base copy back (bit-exact) instead of subtracting the regenerated noise.
@@ -51,15 +51,9 @@ from deltalens.generation.prompts import problem_prompts
 from deltalens.io.models import weights_checksum  # defined in io.models (shared with GRPO)
 from deltalens.training.es import lowrank  # noqa: F401 - registers the "lowrank" noise family
 from deltalens.training.es.config import ESConfig
-from deltalens.training.es.noise import Perturber, make_family
+from deltalens.training.es.noise import Perturber, ReplicaES, make_family, noise_pool
 from deltalens.training.es.reference import ReferenceArithmetic
-from deltalens.training.es.strategy import (
-    CHUNK,
-    iteration_problems,
-    member_noise,
-    noise_coefficients,
-    noise_seed,
-)
+from deltalens.training.es.strategy import CHUNK, iteration_problems, member_noise, noise_seed
 
 PARALLEL_MIN = 4_000_000  # use the noise thread pool only for models with at least this many trained weights
 
@@ -191,14 +185,13 @@ class ESEngine:
         taken = self.family.bind([(j, name, p, self.first_block[j]) for j, (_, name, p) in enumerate(self.params)])
         self.dense_blocks = [blk for blk in self.blocks if blk[0] not in taken]
         self.lowrank = self.family if taken else None  # the family's whole-tensor part (items, factors)
-        threads = config.noise_threads or torch.get_num_threads()
-        pool = None
-        if threads > 1 and self.n_trained >= PARALLEL_MIN and len(self.blocks) > 1:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = ThreadPoolExecutor(threads, thread_name_prefix="es-noise")
+        pool = noise_pool(config.noise_threads or torch.get_num_threads(), self.n_trained, len(self.blocks),
+                          PARALLEL_MIN, "es-noise")
         self.perturber = Perturber(self.family, self.dense_blocks, pool)
-        self._base: list[torch.Tensor] | None = None  # exact copies of the trained tensors (restore=copy)
+        # perturb / restore / update: the steps every path shares (the base copy of restore=copy lives there)
+        self.es = ReplicaES(self.perturber, [p.detach() for _, _, p in self.params], sigma=config.sigma,
+                            alpha=config.alpha, population=config.population, antithetic=config.antithetic,
+                            restore=config.restore)
         # arithmetic="reference": Qiu et al.'s script's noise layout and arithmetic (deltalens.training.es.reference)
         self.reference = ReferenceArithmetic(self) if config.arithmetic == "reference" else None
         self.member_buffers: dict[int, torch.Tensor] = {}  # population batching: stacked member tensors
@@ -206,6 +199,16 @@ class ESEngine:
     @property
     def _pool(self):
         return self.perturber.pool
+
+    @property
+    def _base(self) -> list[torch.Tensor] | None:
+        """The exact copies of the trained tensors (restore=copy); None: taken at the next perturbation
+        (set it to None after loading new weights into the model)."""
+        return self.es.base
+
+    @_base.setter
+    def _base(self, base: list[torch.Tensor] | None) -> None:
+        self.es.base = base
 
     # -- noise
     def _noise(self, iteration: int, k: int, block: int, numel: int) -> torch.Tensor:
@@ -235,29 +238,19 @@ class ESEngine:
     # -- perturb / restore (timings accumulate into `timing`)
     @torch.no_grad()
     def perturb(self, iteration: int, member: int, timing: dict) -> None:
-        """θ ← θ + sign·σ·ε_k in place."""
+        """θ ← θ + sign·σ·ε_k in place (`ReplicaES.perturb`)."""
         if self.reference is not None:  # the reference script's layout and arithmetic (restore subtracts)
             self.reference.shift(iteration, member, self.config.sigma, timing)
             return
-        k, sign = member_noise(member, self.config.antithetic)
-        if self.config.restore == "copy" and self._base is None:
-            self._base = [p.detach().clone() for _, _, p in self.params]
-        self.perturber.shift(iteration, k, sign * self.config.sigma, timing)
+        self.es.perturb(iteration, member, timing)
 
     @torch.no_grad()
     def restore(self, iteration: int, member: int, timing: dict) -> None:
         """Undo `perturb`: copy the base back (exact), or subtract the regenerated noise (inexact)."""
-        if self.config.restore == "copy":
-            t0 = time.perf_counter()
-            for (_, _, p), b in zip(self.params, self._base):
-                p.copy_(b)
-            timing["perturb_restore_s"] += time.perf_counter() - t0
-            return
-        if self.reference is not None:
+        if self.reference is not None and self.config.restore != "copy":
             self.reference.shift(iteration, member, -self.config.sigma, timing)
             return
-        k, sign = member_noise(member, self.config.antithetic)
-        self.perturber.shift(iteration, k, -sign * self.config.sigma, timing)
+        self.es.restore(iteration, member, timing)
 
     # -- rewards
     def sampling_params(self):
@@ -296,28 +289,17 @@ class ESEngine:
     # -- update
     @torch.no_grad()
     def update(self, iteration: int, z: Sequence[float]) -> dict:
-        """θ ← θ + (α/N) Σ_i z_i ε_i (`Perturber.update`: per block one fp32 accumulator over the noise
+        """θ ← θ + (α/N) Σ_i z_i ε_i (`ReplicaES.update`: per block one fp32 accumulator over the noise
         vectors, rounded to the weight dtype once). Returns timings and the update's RMS."""
-        cfg = self.config
         if self.reference is not None:
             return self.reference.update(iteration, z)
-        coeff = noise_coefficients(z, self.n_noise, cfg.antithetic)
-        timing = {"update_noise_s": 0.0, "update_apply_s": 0.0}
-        t0 = time.perf_counter()
-        sq = self.perturber.update(iteration, coeff, cfg.alpha / cfg.population, timing)
-        if self._base is not None:
-            for (_, _, p), base in zip(self.params, self._base):
-                base.copy_(p)
-        return {"update_s": time.perf_counter() - t0, "update_noise_s": timing["update_noise_s"],
-                "update_rms": math.sqrt(sq / max(self.n_trained, 1))}
+        return self.es.update(iteration, z)
 
     def checksum(self) -> str:
         return weights_checksum(self.model)
 
     def close(self) -> None:
-        if self.perturber.pool is not None:
-            self.perturber.pool.shutdown()
-            self.perturber.pool = None
+        self.perturber.close()
 
 
 def new_timing() -> dict:

@@ -20,6 +20,16 @@ view into the live weights (the HF model in `ESEngine`; vLLM's fused tensors in 
     update(iteration, coeff, scale)   θ ← θ + scale · Σ_k coeff_k ε_k (returns Σ of the squared update)
     members(iteration, users, row)    row(block, g) ← θ_block + s·ε_k per member row g (population batching)
 
+`ReplicaES` is the one sequence of ES steps around a replica's `Perturber`, which `ESEngine` (the HF
+model) and `FusedES` (vLLM's fused tensors) both run; they differ only in where the weights live:
+
+    perturb(iteration, member, timing)   the base copy taken once (restore="copy"); θ ← θ + s·ε_k
+    restore(iteration, member, timing)   the base copied back (exact), or θ ← θ - s·ε_k (restore="subtract")
+    update(iteration, z)                 θ ← θ + (α/N) Σ_k c_k ε_k (`noise_coefficients`), base refreshed
+    shift_of(member)                     (k, s): member i's noise vector and its ±σ (antithetic pairs share k)
+
+A new noise family needs none of this: it is one `NoiseFamily` subclass.
+
 Arithmetic (the same on every path, so replicas stay bit-identical): noise and sums in fp32 on the CPU,
 added to the weights in fp32 and rounded once to the destination's dtype (`add_scaled`, `shifted_into`).
 Blocks are independent work items: with a thread pool they run in parallel (torch releases the GIL),
@@ -28,6 +38,7 @@ with identical results; each thread keeps one noise and one accumulator buffer o
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +47,14 @@ from typing import ClassVar
 import torch
 
 from deltalens.errors import DeltalensError
-from deltalens.training.es.strategy import accumulate_noise, add_scaled, draw_noise, noise_seed
+from deltalens.training.es.strategy import (
+    accumulate_noise,
+    add_scaled,
+    draw_noise,
+    member_noise,
+    noise_coefficients,
+    noise_seed,
+)
 
 Block = tuple  # (owner key: a parameter position or name, flat view of the block, global block id)
 
@@ -146,12 +164,22 @@ def shifted_into(dst: torch.Tensor, src: torch.Tensor, x: torch.Tensor, s: float
         dst.copy_(src.float().add(x) if s == 1.0 else src.float().add(x, alpha=s))
 
 
+def noise_pool(threads: int, n_weights: int, n_blocks: int, min_weights: int, prefix: str):
+    """A thread pool of `threads` for the noise blocks, or None where one thread does: a single thread,
+    a single block, or fewer than `min_weights` trained weights (too little work to share)."""
+    if threads > 1 and n_blocks > 1 and n_weights >= min_weights:
+        from concurrent.futures import ThreadPoolExecutor
+
+        return ThreadPoolExecutor(threads, thread_name_prefix=prefix)
+    return None
+
+
 class Perturber:
     """A family's noise applied to one replica's weights (see the module docstring).
 
     blocks: (key, flat view, global block id) of every block the family draws (not the tensors it takes
-    whole); `pool`: a thread pool for the blocks, or None; noise is drawn on the CPU and staged to the
-    blocks' device through a per-thread buffer.
+    whole); `pool`: a thread pool for the blocks (`noise_pool`), or None; noise is drawn on the CPU and
+    staged to the blocks' device through a per-thread buffer.
     """
 
     def __init__(self, family: NoiseFamily, blocks: list[Block], pool=None):
@@ -159,6 +187,12 @@ class Perturber:
         self.device = blocks[0][1].device if blocks else torch.device("cpu")
         self.max_block = max((b.numel() for _, b, _ in blocks), default=1)
         self._tls = threading.local()  # per-thread buffers: noise, acc (CPU), dev (the blocks' device)
+
+    def close(self) -> None:
+        """Shut the thread pool down (if any); the perturber then runs its blocks on the calling thread."""
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
 
     # -- buffers and noise
     def buffer(self, name: str, numel: int, device: torch.device | None = None) -> torch.Tensor:
@@ -250,3 +284,74 @@ class Perturber:
             return noise_s, other_s, None
 
         self.map(one, timing, "noise_s", "perturb_restore_s")
+
+
+class ReplicaES:
+    """The ES steps of one weight replica around its `Perturber` (see the module docstring): `ESEngine`
+    and `FusedES` both run these, so the local, Ray, population and vLLM paths perturb, restore and
+    update by the same code.
+
+    tensors: every trained tensor as a live view of the replica's weights (the tensors the family takes
+    whole too): what the base copy of restore="copy" holds and what the update's RMS is over. sigma,
+    alpha, population, antithetic, restore: the run's ES settings (`ESConfig`). The base copy is taken
+    at the first perturbation and refreshed by every update; setting `base` to None (new weights loaded
+    into the tensors) takes it again at the next perturbation.
+    """
+
+    def __init__(self, perturber: Perturber, tensors: Sequence[torch.Tensor], *, sigma: float, alpha: float,
+                 population: int, antithetic: bool, restore: str):
+        self.perturber, self.tensors = perturber, list(tensors)
+        self.sigma, self.alpha, self.population = sigma, alpha, population
+        self.antithetic, self.restore_mode = antithetic, restore
+        self.n_trained = sum(t.numel() for t in self.tensors)
+        self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
+        self.base: list[torch.Tensor] | None = None  # exact copies of `tensors` (restore="copy")
+
+    def shift_of(self, member: int) -> tuple[int, float]:
+        """(k, s): member `member` is θ + s·ε_k, s = ±σ (antithetic pairs share k with opposite signs)."""
+        k, sign = member_noise(member, self.antithetic)
+        return k, sign * self.sigma
+
+    @torch.no_grad()
+    def perturb(self, iteration: int, member: int, timing: dict) -> None:
+        """θ ← θ + s·ε_k in place (the base copy first, once, for restore="copy"). Timings: noise_s,
+        perturb_restore_s."""
+        k, s = self.shift_of(member)
+        if self.restore_mode == "copy" and self.base is None:
+            self.base = [t.clone() for t in self.tensors]
+        self.perturber.shift(iteration, k, s, timing)
+
+    @torch.no_grad()
+    def restore(self, iteration: int, member: int, timing: dict) -> None:
+        """Undo `perturb`: copy the base back (exact), or subtract the regenerated noise (not bit-exact)."""
+        if self.restore_mode == "copy":
+            t0 = time.perf_counter()
+            for t, b in zip(self.tensors, self.base):
+                t.copy_(b)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            timing["perturb_restore_s"] = timing.get("perturb_restore_s", 0.0) + time.perf_counter() - t0
+            return
+        k, s = self.shift_of(member)
+        self.perturber.shift(iteration, k, -s, timing)
+
+    @torch.no_grad()
+    def update(self, iteration: int, z: Sequence[float]) -> dict:
+        """θ ← θ + (α/N) Σ_i z_i ε_i: the members' shaped rewards folded into one coefficient per noise
+        vector (`noise_coefficients`), then `Perturber.update` (per block one fp32 accumulator, added
+        once); the base copy follows the new weights. Returns update_s, update_noise_s and update_rms
+        (the RMS of the update over the trained weights)."""
+        coeff = noise_coefficients(z, self.perturber.family.n_noise, self.antithetic)
+        timing = {"update_noise_s": 0.0, "update_apply_s": 0.0}
+        t0 = time.perf_counter()
+        sq = self.perturber.update(iteration, coeff, self.alpha / self.population, timing)
+        if self.base is not None:
+            for t, b in zip(self.tensors, self.base):
+                b.copy_(t)
+        return {"update_s": time.perf_counter() - t0, "update_noise_s": timing["update_noise_s"],
+                "update_rms": math.sqrt(sq / max(self.n_trained, 1))}
+
+    def close(self) -> None:
+        """Shut the noise pool down and drop the base copy."""
+        self.perturber.close()
+        self.base = None

@@ -77,7 +77,6 @@ from torch import nn
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs
 from deltalens.generation.prompts import problem_prompts
-from deltalens.training.es.strategy import member_noise
 
 # ----------------------------------------------------------------------------------------------
 # per-member tensors
@@ -142,8 +141,8 @@ def member_weights(engine, iteration: int, members: Sequence[int], timing: dict,
     g_size = len(members)
     users: dict[int, list[tuple[int, float]]] = {}  # noise vector k -> [(row g, ±σ)]
     for g, m in enumerate(members):
-        k, sign = member_noise(m, cfg.antithetic)
-        users.setdefault(k, []).append((g, sign * cfg.sigma))
+        k, s = engine.es.shift_of(m)  # the noise and sign `ESEngine.perturb` gives member m
+        users.setdefault(k, []).append((g, s))
     t0 = time.perf_counter()
     buffers = engine.member_buffers  # allocated once (population_batch rows), reused by every group
     dense = sorted({j for j, _, _ in engine.dense_blocks})

@@ -12,10 +12,10 @@ draws (the run's noise family, `deltalens.training.es.noise`: same seed, same CP
 4M-element blocks) and writes it into the slice of vLLM's fused tensor that holds that parameter
 (`deltalens.generation.vllm_layout`: q/k/v inside qkv_proj, gate/up inside gate_up_proj, the embedding
 inside its padded vocabulary, tied lm_head = embedding). Arithmetic is `ESEngine`'s, by the same code
-(`noise.Perturber` over blocks that are views into the fused tensors): perturbation θ + s·ε in fp32
-rounded once to the weight dtype; the update accumulated on the CPU in fp32 and added once. Restore
-copies back a base copy of the trained slices (kept on the GPU). vLLM computes in the dtype it loads
-(`--dtype`): `--compute-dtype bf16` is refused with this backend (`ESConfig`).
+(`noise.ReplicaES` around a `noise.Perturber` over blocks that are views into the fused tensors):
+perturbation θ + s·ε in fp32 rounded once to the weight dtype; the update accumulated on the CPU in fp32
+and added once. Restore copies back a base copy of the trained slices (kept on the GPU). vLLM computes
+in the dtype it loads (`--dtype`): `--compute-dtype bf16` is refused with this backend (`ESConfig`).
 
 That is the GPU way: there vLLM's linear layers multiply by their parameter tensors, so writing into them
 changes the model. vLLM's CPU build repacks every linear weight after loading and computes with the packed
@@ -46,8 +46,8 @@ from deltalens.generation.vllm import VLLMBackend
 from deltalens.generation.vllm_layout import arch
 from deltalens.io.models import apply_state_dict
 from deltalens.training.es.engine import PARALLEL_MIN, new_timing
-from deltalens.training.es.noise import Perturber, make_family
-from deltalens.training.es.strategy import iteration_problems, member_noise, noise_coefficients
+from deltalens.training.es.noise import Perturber, ReplicaES, make_family, noise_pool
+from deltalens.training.es.strategy import iteration_problems
 
 EXTENSION = "deltalens.training.es.backends.vllm.ESWorkerExtension"
 
@@ -100,8 +100,6 @@ class FusedES:
         self.plan = plan
         self.seed, self.n_noise, self.n_blocks = plan["seed"], plan["n_noise"], plan["n_blocks"]
         self.chunk = plan["chunk"]
-        self.sigma, self.alpha = plan["sigma"], plan["alpha"]
-        self.population, self.antithetic, self.restore_mode = plan["population"], plan["antithetic"], plan["restore"]
         slices = vllm_slices(plan["hf_config"])
         self.views: dict[str, torch.Tensor] = {}  # HF name -> its elements inside the vLLM tensor (flat view)
         self.shapes: dict[str, tuple[int, ...]] = {}
@@ -144,13 +142,12 @@ class FusedES:
                                  "noise only (use --backend local)")
         if not threads or threads <= 0:
             threads = plan.get("threads") or _cpu_count()
-        pool = None
-        if threads > 1 and len(self.blocks) > 1 and self.n_trained >= PARALLEL_MIN:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = ThreadPoolExecutor(threads, thread_name_prefix="es-vllm-noise")
+        pool = noise_pool(threads, self.n_trained, len(self.blocks), PARALLEL_MIN, "es-vllm-noise")
         self.perturber = Perturber(self.family, self.blocks, pool)  # θ + s·ε and the update, as ESEngine
-        self._base: dict[str, torch.Tensor] | None = None
+        # perturb / restore / update: ESEngine's steps (`ReplicaES`), on the trained slices
+        self.es = ReplicaES(self.perturber, [self.views[n] for n in self.trained], sigma=plan["sigma"],
+                            alpha=plan["alpha"], population=plan["population"], antithetic=plan["antithetic"],
+                            restore=plan["restore"])
 
     @property
     def _pool(self):
@@ -160,48 +157,23 @@ class FusedES:
     def _pool(self, pool) -> None:
         self.perturber.pool = pool
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    # -- ES operations (each returns timings)
-    @torch.no_grad()
+    # -- ES operations (each returns its timings)
     def perturb(self, iteration: int, member: int) -> dict:
-        """θ ← θ + sign·σ·ε_k on the trained slices."""
-        k, sign = member_noise(member, self.antithetic)
-        if self.restore_mode == "copy" and self._base is None:
-            self._base = {n: self.views[n].clone() for n in self.trained}
+        """θ ← θ + sign·σ·ε_k on the trained slices (`ReplicaES.perturb`, as `ESEngine.perturb`)."""
         timing = {"noise_s": 0.0, "perturb_restore_s": 0.0}
-        self.perturber.shift(iteration, k, sign * self.sigma, timing)
+        self.es.perturb(iteration, member, timing)
         return timing
 
-    @torch.no_grad()
     def restore(self, iteration: int, member: int) -> dict:
         """Undo `perturb`: copy the base back (exact) or subtract the regenerated noise."""
-        if self.restore_mode == "copy":
-            t0 = time.perf_counter()
-            for n in self.trained:
-                self.views[n].copy_(self._base[n])
-            self._sync()
-            return {"noise_s": 0.0, "perturb_restore_s": time.perf_counter() - t0}
-        k, sign = member_noise(member, self.antithetic)
         timing = {"noise_s": 0.0, "perturb_restore_s": 0.0}
-        self.perturber.shift(iteration, k, -sign * self.sigma, timing)
+        self.es.restore(iteration, member, timing)
         return timing
 
-    @torch.no_grad()
     def update(self, iteration: int, z: Sequence[float]) -> dict:
-        """θ ← θ + (α/N) Σ_i z_i ε_i through the same `Perturber.update` as `ESEngine.update` (per block
-        on the CPU in fp32, same ops, same order), added to the weights once."""
-        coeff = noise_coefficients(z, self.n_noise, self.antithetic)
-        timing = {"update_noise_s": 0.0, "update_apply_s": 0.0}
-        t0 = time.perf_counter()
-        sq = self.perturber.update(iteration, coeff, self.alpha / self.population, timing)
-        if self._base is not None:
-            for n in self.trained:
-                self._base[n].copy_(self.views[n])
-        return {"update_s": time.perf_counter() - t0, "update_noise_s": timing["update_noise_s"],
-                "update_rms": math.sqrt(sq / max(self.n_trained, 1))}
+        """θ ← θ + (α/N) Σ_i z_i ε_i by `ESEngine.update`'s code (`ReplicaES.update`: per block on the CPU
+        in fp32, same ops, same order), added to the weights once."""
+        return self.es.update(iteration, z)
 
     # -- read-out
     def hf_tensor(self, name: str) -> torch.Tensor:
@@ -227,10 +199,7 @@ class FusedES:
         return path
 
     def close(self) -> None:
-        if self.perturber.pool is not None:
-            self.perturber.pool.shutdown()
-            self.perturber.pool = None
-        self._base = None
+        self.es.close()  # the noise pool, and the base copy (GPU memory)
 
 
 def _cpu_count() -> int:
