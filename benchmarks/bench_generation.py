@@ -19,7 +19,8 @@ beside this CPU's measured matmul peaks (the roofline fraction), and the agreeme
    `compute_dtype="bf16"`; its one cast per call is inside the timing) and fp32 weights under
    `torch.autocast(cpu, bfloat16)`, interleaved repeat by repeat so machine load hits all alike; with
    `vllm` importable, also vLLM fp32 and bf16 engines of the same weights (`VLLMBackend.from_model`),
-   else a `vllm` entry saying why they were skipped.
+   else a `vllm` entry saying why they were skipped. `bf16_strided_head`: bf16 with the LM head fed the
+   strided last-position view as before the contiguous pre-hook (`contiguous_head`), the fix's before.
    Prefill and decode apart: `prefill_s` is the time of the prefill alone (the distinct prompts but
    their last token, left padded, one forward, as `HFBackend` runs it), `decode_s` the rest of the
    generate call. Tokens: prompt tokens prefilled (each distinct prompt once) and generated tokens up
@@ -103,7 +104,7 @@ def prefill_seconds(be: HFBackend, texts, params) -> tuple[float, int]:
     seqs = [e[:-1] for e in enc] if params.n > 1 else enc
     ids, att = left_pad(seqs, be.tok.pad_token_id)
     pos = (att.cumsum(-1) - 1).masked_fill(att == 0, 0)
-    runner = be._runner()
+    runner = be.runner()
     t0 = time.perf_counter()
     runner(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1)
     return time.perf_counter() - t0, sum(len(s) for s in seqs)
@@ -118,15 +119,31 @@ def vllm_backends(model, tok) -> dict:
     return {f"vllm_{d}": VLLMBackend.from_model(model, tok, dtype=d) for d in ("fp32", "bf16")}
 
 
-def throughput(models, shapes, repeat: int, peaks: dict) -> list[dict]:
+def strided_head(be: HFBackend) -> HFBackend:
+    """`be` with its compute copy's LM head fed the strided last-position view again (the contiguous
+    pre-hook of `deltalens.io.models.contiguous_head` removed): the before of that fix, side by side."""
+    head = be.runner().get_output_embeddings()
+    head._forward_pre_hooks.clear()
+    head._deltalens_contiguous = False
+    return be
+
+
+VARIANTS = ("fp32", "bf16", "bf16_strided_head", "autocast")
+
+
+def hf_variant(variant: str, model, tok) -> HFBackend:
+    """The HF backend of one variant (autocast: fp32 compute, run under torch.autocast by the caller)."""
+    be = HFBackend(model, tok, compute_dtype="bf16" if variant.startswith("bf16") else "fp32")
+    return strided_head(be) if variant == "bf16_strided_head" else be
+
+
+def throughput(models, shapes, repeat: int, peaks: dict, variants=VARIANTS) -> list[dict]:
     arith = get_task("arith")
     rows = []
     for name, (model, tok, task) in models.items():
         task = task or arith
         n_params = matmul_params(model)
-        backends = {"fp32": HFBackend(model, tok, compute_dtype="fp32"),
-                    "bf16": HFBackend(model, tok, compute_dtype="bf16"),
-                    "autocast": HFBackend(model, tok, compute_dtype="fp32")}
+        backends = {v: hf_variant(v, model, tok) for v in variants}
         backends.update(vllm_backends(model, tok))
         for shape, (prompts, params) in shapes.items():
             texts = problem_prompts(task.test(prompts), backends["fp32"].chat)
@@ -149,7 +166,7 @@ def throughput(models, shapes, repeat: int, peaks: dict) -> list[dict]:
                     toks[v] = tokens_of(tok, out)
             for v in backends:
                 med = statistics.median(times[v])
-                peak = peaks["bf16" if v in ("bf16", "autocast", "vllm_bf16") else "fp32"]["256x576x1536"]
+                peak = peaks["fp32" if v in ("fp32", "vllm_fp32") else "bf16"]["256x576x1536"]
                 flops = 2 * n_params * toks[v] / med
                 row = {"model": name, "shape": shape, "rows": prompts * params.n, "variant": v,
                        "tokens": toks[v], "seconds_each": [round(t, 4) for t in times[v]],
@@ -237,6 +254,8 @@ def main():
     ap.add_argument("--limit", type=int, default=100)
     ap.add_argument("--models", default="tiny,smollm2-shaped,smollm2",
                     help="comma-separated: tiny, smollm2-shaped (random, --layers layers), smollm2 (real)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"HF variants, comma-separated (fp32 first): {', '.join(VARIANTS)}")
     ap.add_argument("--agreement-limit", type=int, default=100, help="tiny problems for the agreement (0: skip)")
     ap.add_argument("--peak-calls", type=int, default=20, help="matmul calls per peak timing")
     ap.add_argument("--peak-only", action="store_true",
@@ -280,7 +299,10 @@ def main():
             ap.error(f"unknown model {m!r} in --models (tiny, smollm2-shaped, smollm2)")
     shapes = {"eval": (8, SamplingParams(n=8, temperature=0.6, max_new_tokens=32, seed=0)),
               "es": (16, SamplingParams(n=1, temperature=0.0, max_new_tokens=32))}
-    rows = throughput(models, shapes, args.repeat, peaks)
+    variants = args.variants.split(",")
+    if variants[0] != "fp32" or not set(variants) <= set(VARIANTS):
+        ap.error(f"--variants: fp32 first, then any of {', '.join(VARIANTS[1:])}")
+    rows = throughput(models, shapes, args.repeat, peaks, variants)
     agree = agreement(limit=args.agreement_limit) if args.agreement_limit else None
     res = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "cpu_amx_bf16": "amx_bf16" in cpu_flags(), "cpu": cpu_description(), "auto_picks_bf16": bf16_is_fast("cpu"),

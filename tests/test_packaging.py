@@ -18,6 +18,14 @@ def test_wheel_layout_and_import(tmp_path):
     assert "deltalens/cli/main.py" in names and "deltalens/reports/render.py" in names
     assert "deltalens/tiny/model/model.safetensors" in names and "deltalens/tiny/model/tokenizer.json" in names
     assert any(n.startswith("deltalens/reports/templates/") for n in names)
+    # every package of the source tree is in the wheel (a subpackage missing from pyproject's list
+    # installs an editable checkout fine and breaks `pip install .`: deltalens.analysis.diversity did)
+    sources = {"deltalens": ROOT / "deltalens", "deltalens/cli": ROOT / "cli", "deltalens/reports": ROOT / "reports"}
+    for prefix, top in sources.items():
+        for init in top.rglob("__init__.py"):
+            if "__pycache__" not in init.parts:
+                rel = init.relative_to(top).as_posix()
+                assert f"{prefix}/{rel}" in names, f"{prefix}/{rel} is not in the wheel: list it in pyproject.toml"
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"deltalens"}, tops  # never a top-level `cli` or `reports`
     entry = next(n for n in names if n.endswith("entry_points.txt"))

@@ -25,7 +25,7 @@ from deltalens.evaluation.cost import record_rate
 from deltalens.evaluation.passk import fit_ks, parse_ks, summarize
 from deltalens.generation import HFBackend, SamplingParams, backend_for_spec
 from deltalens.generation.prompts import problem_prompts
-from deltalens.io.models import apply_state_dict, load_model
+from deltalens.io.models import DTYPES, apply_state_dict, load_model
 from deltalens.io.spec import default_labels
 from deltalens.schema import new_document
 from deltalens.tasks import Task, get_task
@@ -74,6 +74,8 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
     out = {"task": task.spec, "split": split, "n_problems": len(problems), "samples": samples,
            "temperature": temperature, "top_p": top_p, "seed": seed, "max_new_tokens": params.max_new_tokens,
            "chat_template": backend.chat}
+    if isinstance(backend, HFBackend):  # what generation ran in (`auto` resolved): fp32, bf16, fp16
+        out["compute_dtype"] = _dtype_name(backend.dtype)
     out.update(summarize(task, problems, completions, ks, seed=seed, keep_completions=keep_completions))
     n_chars = sum(len(c) for comps in completions for c in comps)
     out["timing"] = {"generate_s": round(gen_s, 3), "sequences": total,
@@ -81,16 +83,19 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
     return out
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    """fp32, bf16, fp16 (`deltalens.io.models.DTYPES`' names), else torch's own."""
+    return next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
+
+
 def _record(model, backend, spec, config, max_new_tokens, sequences, seconds) -> None:
     """The throughput of this pass, for later plan lines (never raises: `record_rate`)."""
-    from deltalens.io.models import DTYPES
-
     name = "hf" if isinstance(backend, HFBackend) else \
         "vllm" if type(backend).__name__.startswith("VLLM") else type(backend).__name__
     dtype, device = "fp32", None
     param = next(model.parameters(), None) if model is not None and hasattr(model, "parameters") else None
     if param is not None:
-        dtype = next((k for k, v in DTYPES.items() if v == param.dtype), str(param.dtype))
+        dtype = _dtype_name(param.dtype)
         device = param.device.type
     record_rate(model=spec if spec is not None else model, backend=name, max_new_tokens=max_new_tokens,
                 sequences=sequences, seconds=seconds, dtype=dtype, device=device, config=config)

@@ -29,7 +29,7 @@ from deltalens.generation import SamplingParams
 
 COMPUTE_DTYPE_HELP = (
     "what the HF backend generates in: fp32; bf16 (a bf16 copy of fp32 weights); auto (bf16 on a CPU with "
-    "AMX-BF16 or a GPU with bf16 for models of hidden size >= 512, measured 1.5-2x faster on CPU; else "
+    "AMX-BF16 or AVX512-BF16 or a GPU with bf16 for models of hidden size >= 512, measured 1.5-2x faster on CPU; else "
     "fp32); --dtype bf16/fp16 weights generate as they are")
 ARCH_HELP = ("architecture (tiny, smollm2, an HF/run directory, a config.json) for every bare .pt/.safetensors "
              "input of the command, the base included; default: the config.json beside each file")

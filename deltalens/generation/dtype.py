@@ -8,21 +8,18 @@ generation may run on a lower-precision copy of them (`HFBackend`, `compute_copy
   `generate` call (so a copy never lags behind an update; for the evaluation of a fixed model that is
   one cast). Parameters only: buffers (e.g. rotary frequencies) stay in their own dtype, and transformers
   takes the next-token logits in fp32 before sampling, so the softmax and sampling are fp32 as before.
-- `auto`: bf16 where bf16 matmuls are fast: a CPU with AMX-BF16 (the `amx_bf16` flag of /proc/cpuinfo)
-  or a CUDA device with bf16 (`torch.cuda.is_bf16_supported()`), for a model of hidden size >= 512
-  (`MIN_BF16_HIDDEN`); fp32 elsewhere: on a CPU with only AVX-512-BF16 or none, where bf16 matmuls are
-  not faster than fp32 ones, and for narrower models, whose small matmuls gain nothing (measured on
-  `tiny`, hidden 128: 0.8-1.1x). This width rule is ours, not the issue's; it keeps `tiny` in fp32.
+- `auto`: bf16 where bf16 matmuls are fast: a CPU with bf16 matrix instructions (`amx_bf16` or
+  `avx512_bf16` among the flags of /proc/cpuinfo, `BF16_CPU_FLAGS`) or a CUDA device with bf16
+  (`torch.cuda.is_bf16_supported()`), for a model of hidden size >= 512 (`MIN_BF16_HIDDEN`); fp32
+  elsewhere: on a CPU with neither (AVX2 only: bf16 runs a software path there, ~10x slower than fp32),
+  and for narrower models, whose small matmuls gain nothing (measured on `tiny`, hidden 128: 0.8-1.1x).
+  The width rule is ours, not the issue's; it keeps `tiny` in fp32.
 
 Weights loaded in bf16 or fp16 (`--dtype`) are already low precision: they generate as they are,
 whatever the compute dtype says (no copy, no upcast).
 
-Measured (benchmarks/bench_generation.py, benchmarks/README.md; one thread, a loaded 2-core AMX VM): bf16
-decodes 1.99x (64 rows) and 1.60x (16 rows) faster than fp32 on a random Llama of SmolLM2-135M's width
-(hidden 576, 6 layers), 1.51x on the real SmolLM2-135M (50 greedy rows); on `tiny` (hidden 128) 0.86-1.05x,
-its matmuls too small for AMX. A bf16 copy beats `torch.autocast(cpu, bfloat16)` (1.75x / 1.44x), which
-casts every weight again at every decoding step. Agreement: 3 of 100 greedy tiny completions differ from
-fp32, 0 of 50 on SmolLM2; sampled Pass@1 on tiny (100 x 8) 0.280 vs 0.2825, within 2 paired SE.
+Measured figures (speed-ups per CPU and model width, bf16/fp32 agreement): benchmarks/README.md,
+"bench_generation.py".
 """
 
 from __future__ import annotations
@@ -33,8 +30,10 @@ from functools import lru_cache
 import torch
 
 from deltalens.errors import DeltalensError
+from deltalens.io.models import contiguous_head
 
 COMPUTE_DTYPES = ("auto", "fp32", "bf16")
+BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # AMX tiles, or AVX-512 bf16 dot products
 MIN_BF16_HIDDEN = 512  # auto: narrower models stay fp32 (tiny, 128: no gain; SmolLM2 width, 576: 1.4-1.9x)
 
 
@@ -52,12 +51,14 @@ def cpu_flags() -> frozenset[str]:
 
 
 def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
-    """Whether bf16 matmuls are faster than fp32 ones on `device`: AMX-BF16 on CPU, bf16 support on CUDA."""
+    """Whether bf16 matmuls are faster than fp32 ones on `device`: AMX-BF16 or AVX512-BF16 on CPU (an
+    AVX512-BF16 EPYC without AMX: 2.2x fp32's matmul peak, SmolLM2-135M generation 1.8x; docs in
+    benchmarks/README.md), bf16 support on CUDA."""
     device = torch.device(device)
     if device.type == "cuda":
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     if device.type == "cpu":
-        return "amx_bf16" in cpu_flags()
+        return bool(BF16_CPU_FLAGS & cpu_flags())
     return False
 
 
@@ -88,6 +89,8 @@ def compute_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
             for p in model.parameters()}
     out = copy.deepcopy(model, memo)
     sync_copy(model, out)
+    if dtype != torch.float32:
+        contiguous_head(out)  # the head's strided last-position input: 180x slower in bf16 otherwise
     return out.eval()
 
 

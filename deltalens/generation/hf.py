@@ -28,7 +28,7 @@ a fixed number of module calls, ~5% of a tiny step at 640 rows).
 Memory: the batch's KV cache is bounded by its token budget (`batching.token_budget`: by default the
 tokens whose KV cache fits in 512 MiB of the compute dtype, at most 262,144), never by problems x samples.
 
-Compute dtype (`deltalens.generation.dtype`): with `compute_dtype` bf16 (or auto on a CPU with AMX-BF16
+Compute dtype (`deltalens.generation.dtype`): with `compute_dtype` bf16 (or auto on a CPU with AMX-BF16 or AVX512-BF16
 or a GPU with bf16, for models of hidden size >= 512) and fp32 weights, generation runs on a bf16 copy of
 the model, cast from the fp32 master weights at the start of every `generate` call (one pass over the
 weights; the masters are only read). The copy costs half the masters' memory, made on the first call and

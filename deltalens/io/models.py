@@ -245,6 +245,28 @@ def resolve_device(device: str = "auto") -> str:
     raise DeltalensError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N")
 
 
+def _contiguous_input(module, args):
+    return (args[0].contiguous(),) + tuple(args[1:]) if args and not args[0].is_contiguous() else None
+
+
+def contiguous_head(model: torch.nn.Module) -> torch.nn.Module:
+    """Make the LM head's input contiguous before it multiplies (a forward pre-hook, registered once).
+
+    transformers calls `lm_head(hidden[:, -1:, :])` (`logits_to_keep=1`), a strided view of the last
+    position. torch 2.13's CPU linear takes a slow path for that view in bf16 under no_grad: on
+    SmolLM2-135M's head (576 -> 49,152) at 16 rows x 30 prompt positions, 2,045 ms against 11 ms for the
+    same values contiguous (one thread; benchmarks/bench_generation.py `bf16_strided_head`), and it
+    materialises a [rows, 576, 49152] intermediate (3.6 GB at 64 rows). The hook copies rows x hidden
+    values; the logits are bit-identical. Applied to low-precision models only (bf16/fp16 compute
+    copies and weights loaded so), so fp32 results stay exactly as they were.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and not getattr(head, "_deltalens_contiguous", False):
+        head.register_forward_pre_hook(_contiguous_input)
+        head._deltalens_contiguous = True
+    return model
+
+
 def load_model(spec: str | ModelRef = "tiny", *, config: str | None = None, dtype: str = "fp32",
                device: str = "cpu"):
     """Load (model, tokenizer) from any supported spec; the model is in eval mode on `device`
@@ -273,4 +295,6 @@ def load_model(spec: str | ModelRef = "tiny", *, config: str | None = None, dtyp
         check_finite(model.named_parameters(), str(loc))
     model.to(device)
     model.eval()
+    if td != torch.float32:
+        contiguous_head(model)
     return model, tok

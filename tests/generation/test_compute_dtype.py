@@ -38,11 +38,12 @@ def one_thread():
 
 
 @pytest.mark.parametrize(("flags", "want"), [
-    ({"avx512f", "avx512_bf16"}, torch.float32),  # bf16 instructions but no AMX: not faster
+    ({"avx512f", "avx512_bf16"}, torch.bfloat16),  # AVX512-BF16 without AMX (EPYC): 1.8x on SmolLM2
+    ({"avx2", "fma", "avx512f"}, torch.float32),   # no bf16 instructions: a software path, ~10x slower
     (set(), torch.float32),
     ({"avx512_bf16", "amx_tile", "amx_bf16"}, torch.bfloat16),
 ])
-def test_auto_picks_bf16_only_on_a_cpu_with_amx(monkeypatch, flags, want):
+def test_auto_picks_bf16_only_on_a_cpu_with_bf16_instructions(monkeypatch, flags, want):
     monkeypatch.setattr(cd, "cpu_flags", lambda: frozenset(flags))
     assert cd.resolve_compute_dtype("auto", "cpu") == want
     assert cd.resolve_compute_dtype("auto", "cpu", hidden_size=576) == want
@@ -163,3 +164,38 @@ def test_eval_cli_passes_compute_dtype_through(monkeypatch):
     r = run_cli(["eval", "tiny", "--limit", "1", "--samples", "1", "--k", "1", "--compute-dtype", "fp16"])
     assert r.exit_code == 2 and r.stderr.strip().splitlines()[-1] == \
         "error: unknown compute dtype 'fp16'; choose one of auto, fp32, bf16"
+
+
+def _head_inputs(model) -> list[bool]:
+    """Record, for every call of `model`'s LM head, whether its input arrived contiguous."""
+    seen: list[bool] = []
+    model.get_output_embeddings().register_forward_hook(lambda mod, args, out: seen.append(args[0].is_contiguous()))
+    return seen
+
+
+def test_bf16_compute_copy_feeds_its_head_contiguous_input_with_identical_logits():
+    """transformers hands the head `hidden[:, -1:, :]`, a strided view (torch 2.13's bf16 CPU linear is
+    ~180x slower on it under no_grad); the compute copy's pre-hook makes it contiguous, the logits
+    bit-identical to the strided call, and the fp32 master keeps no hook (its results unchanged)."""
+    model, tok = small_llama(seed=0)
+    be = HFBackend(model, tok, compute_dtype="bf16")
+    seen = _head_inputs(be.runner())
+    be.generate(PROMPTS, SamplingParams(n=2, temperature=0.6, max_new_tokens=4, seed=0))
+    assert seen and all(seen)  # the prefill's last-position view included
+    assert not model.get_output_embeddings()._forward_pre_hooks  # fp32 master: no hook
+    head = be.runner().get_output_embeddings()
+    hidden = torch.randn(3, 7, head.in_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        hooked = head(hidden[:, -1:, :])
+        plain = torch.nn.functional.linear(hidden[:, -1:, :], head.weight, head.bias)
+    assert torch.equal(hooked, plain)
+    assert cd.compute_copy(be.runner(), torch.bfloat16).get_output_embeddings()._forward_pre_hooks.__len__() == 1
+
+
+def test_weights_loaded_in_bf16_get_the_contiguous_head_and_fp32_does_not():
+    from deltalens.io.models import load_model
+
+    bf16, _ = load_model("tiny", dtype="bf16")
+    fp32, _ = load_model("tiny")
+    assert len(bf16.get_output_embeddings()._forward_pre_hooks) == 1
+    assert not fp32.get_output_embeddings()._forward_pre_hooks

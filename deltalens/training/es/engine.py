@@ -96,7 +96,7 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 def es_compute_dtype(config: ESConfig, model: torch.nn.Module, pinned: str | None = None) -> str:
     """The dtype members generate in ("fp32", "bf16", ...), the rule of `deltalens.generation.dtype`:
     weights loaded in bf16/fp16 generate as they are; fp32 weights in `config.compute_dtype`, auto = bf16
-    where bf16 matmuls are fast (AMX-BF16 CPU, bf16 GPU) for hidden size >= 512, else fp32. `pinned`: what
+    where bf16 matmuls are fast (AMX-BF16 or AVX512-BF16 CPU, bf16 GPU) for hidden size >= 512, else fp32. `pinned`: what
     the run resolved when it started (a resume, a Ray replica), so auto cannot change mid-run. The vLLM
     backend generates in the weight dtype (vLLM computes in the dtype it loads)."""
     param = next(model.parameters())

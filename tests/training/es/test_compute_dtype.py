@@ -71,8 +71,9 @@ def test_config_values_and_refusals(tmp_path):
 
 
 @pytest.mark.parametrize(("flags", "hidden", "want"), [
-    (frozenset(), 576, "fp32"),                             # no AMX: bf16 is not faster
-    (frozenset({"avx512f", "avx512_bf16"}), 576, "fp32"),   # bf16 instructions, no AMX
+    (frozenset(), 576, "fp32"),                             # no bf16 instructions: bf16 is slower
+    (frozenset({"avx2", "avx512f"}), 576, "fp32"),          # AVX-512 without its bf16 extension
+    (frozenset({"avx512f", "avx512_bf16"}), 576, "bf16"),   # AVX512-BF16, no AMX: still faster
     (AMX, 576, "bf16"),
     (AMX, 32, "fp32"),                                      # narrow (tiny-sized) models stay fp32
 ])
@@ -188,7 +189,7 @@ def test_auto_is_pinned_at_the_start_of_a_run(tmp_path, monkeypatch):
     cfg = ESConfig(model=tiny_spec(), iterations=1, **{**FAST, "max_new_tokens": 8})
     out = train_es(cfg, tmp_path / "run")
     assert RunDir(out).state()["compute_dtype"] == "bf16"
-    monkeypatch.setattr(cd, "cpu_flags", lambda: frozenset())  # resumed on a machine without AMX
+    monkeypatch.setattr(cd, "cpu_flags", lambda: frozenset())  # resumed on a machine without bf16 instructions
     train_es(dataclasses.replace(cfg, iterations=2), out, resume=True)
     assert [r["compute_dtype"] for r in RunDir(out).metrics()] == ["bf16", "bf16"]
     # an older run: no compute dtype recorded
