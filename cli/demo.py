@@ -1,34 +1,20 @@
 """`deltalens demo`: the study on the tiny model with a small budget (ES, GRPO, ES->GRPO; one seed). Its options
-are generated from `DemoConfig` (cli/options.py), so `--config FILE` takes them as every command does."""
+are generated from `deltalens.demo.DemoConfig` (cli/options.py), so `--config FILE` takes them as every command
+does."""
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from deltalens.config import Config, option
-from deltalens.evaluation.options import shared
+from deltalens.demo import DemoConfig
 
 from . import common as c
 from . import options as o
-
-
-@dataclass
-class DemoConfig(Config):
-    """Options of `deltalens demo` (one help line each): the arguments of `deltalens.demo.demo_config`."""
-
-    METHOD: ClassVar[str] = "demo"
-    NAME: ClassVar[str] = "demo"
-
-    budget: float = option(1.0, "training compute scale (1 = 8 ES iterations' worth)")
-    limit: int = option(100, "test problems evaluated per model")
-    samples: int = shared("samples")
-    seed: int = shared("seed")
 
 
 def _run(kwargs: dict) -> None:

@@ -184,7 +184,7 @@ def run_sparsify(ckpt: str, cfg: SparsifyConfig) -> None:
     from deltalens.evaluation.passk import parse_ks
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
-    from deltalens.io.spec import architecture, check_arch, default_label
+    from deltalens.io.spec import architecture, default_label, resolve, resolve_arch
     from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
@@ -201,10 +201,11 @@ def run_sparsify(ckpt: str, cfg: SparsifyConfig) -> None:
     n_problems = len(problems_of.test(limit))
     if backend not in ("hf", "vllm"):
         raise DeltalensError(f"--backend must be hf or vllm (got {backend!r})")
-    arch = check_arch(arch)
+    arch = resolve_arch(arch)
+    base = resolve(base, arch=arch)  # once: the guard, the architecture and the sweep take this reference
     # every evaluation applies a whole state dict onto the base's architecture (and tokenizer): a bare base
     # gets it from --arch, so `--base base.pt --arch tiny` works; the checkpoint needs none of its own
-    model_arch = architecture(base, arch)
+    model_arch = str(architecture(base))  # its spec: what the evaluations and their cost line take
     if backend == "vllm":
         from deltalens.generation.vllm import check_weight_loading, import_vllm
 

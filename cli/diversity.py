@@ -34,7 +34,7 @@ def run_diversity(model: str, cfg: DiversityConfig) -> None:
     from deltalens.analysis.diversity import diversity_analysis
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
-    from deltalens.io.spec import arch_for, check_arch
+    from deltalens.io.spec import arch_for, resolve, resolve_arch
     from deltalens.presets import default_task
     from deltalens.tasks import get_task
 
@@ -48,9 +48,10 @@ def run_diversity(model: str, cfg: DiversityConfig) -> None:
     _check_options(members=members, sigma=sigma, iteration=iteration, prompts=prompts, samples=samples,
                    temperature=temperature, sweep=sigmas, fisher_samples=fisher_samples,
                    max_new_tokens=max_new_tokens, config=arch)
-    arch = check_arch(arch)
-    config = None if iteration is not None else arch_for(model, arch)  # bare weights: --arch, else beside
-    check_outputs([Output(json_out, "--json")], models=[model, arch], files=[data])
+    arch = resolve_arch(arch)
+    ref = resolve(model, arch=arch)  # once: the guard, the architecture and the population take this reference
+    config = None if iteration is not None else arch_for(ref)  # bare weights: --arch, else beside
+    check_outputs([Output(json_out, "--json")], models=[ref, arch], files=[data])
     t = get_task(task or default_task(model), data=data, question_field=question_field, answer_field=answer_field)
     t.test(prompts)  # a jsonl task's data is read (and refused) now
     plan = c.FirstWork(_plan_line(model, t, members=members, iteration=iteration, prompts=prompts, samples=samples,
@@ -64,7 +65,7 @@ def run_diversity(model: str, cfg: DiversityConfig) -> None:
                 tid.append(bar.add_task(stage, total=total))
             bar.update(tid[0], completed=done, total=total, description=stage)
 
-        doc = diversity_analysis(model, t, label=cfg.label, members=members, sigma=sigma, iteration=iteration,
+        doc = diversity_analysis(ref, t, label=cfg.label, members=members, sigma=sigma, iteration=iteration,
                                  prompts=prompts, samples=samples, temperature=temperature, seed=seed,
                                  sweep=sigmas, fisher_samples=fisher_samples, max_new_tokens=max_new_tokens,
                                  dtype=cfg.dtype, config=config, progress=progress, chat_template=cfg.chat_template)

@@ -12,17 +12,15 @@ study and demo configs, and the analysis commands (`eval`, `report`, `diff`, `sp
 override the file. Positional arguments (MODELS, BASE, ...) stay typer arguments beside the generated
 options (a file naming one is refused: `resolve(arguments=...)`).
 
-One name for one thing on every command: where a field's name is not the command-line name every other
-command uses for that thing, `RENAMED` gives the flag (and YAML key) its common name and keeps the field's
-own as the old name, still accepted and documented as such (`--ks` -> `--k`, `--output` -> `--out`).
+One name for one thing on every command: a field is named as the flag every command gives that thing
+(`k`, `out`); a field renamed so keeps its old name (`option(old=...)`: `--ks`, `--output`) as a second flag,
+documented as the old name, and as a YAML key (`deltalens.config.Config.current_keys`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import re
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -32,18 +30,6 @@ import typer
 
 from deltalens.config import Config, brief, flag_name, is_run_config, load_yaml
 from deltalens.errors import DeltalensError
-
-# (config NAME, field) -> the name of its flag and YAML key where the field's own name differs from the one every
-# other command gives that thing; the field's name stays accepted as the old name (flag and key)
-RENAMED: dict[tuple[str, str], str] = {
-    ("study", "ks"): "k",  # K values of Pass@K: --k on eval, report, sparsify
-    ("report", "output"): "out",  # the directory a command writes: --out on study, sweep, demo, train, sparsify
-}
-
-
-def cli_name(cls: type[Config], name: str) -> str:
-    """The command-line (and YAML) name of `cls`'s field `name`: the field's own, or its RENAMED one."""
-    return RENAMED.get((cls.NAME, name), name)
 
 
 def _cli_type(tp, repeat: bool = False) -> tuple[type, bool]:
@@ -60,6 +46,8 @@ def _cli_type(tp, repeat: bool = False) -> tuple[type, bool]:
 
 
 def _default_text(f: dataclasses.Field) -> str:
+    if f.metadata.get("default_text") is not None:  # a default derived later (None: not given)
+        return f.metadata["default_text"]
     if f.default is not dataclasses.MISSING and f.default is not None:
         v = f.default
         return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
@@ -75,17 +63,17 @@ def config_params(cls: type[Config], *, prefix: str = "", exclude: tuple[str, ..
         if not f.metadata.get("cli", True) or f.name in exclude:
             continue
         typ, is_flag = _cli_type(types[f.name], f.metadata.get("repeat", False))
-        new = cli_name(cls, f.name)
-        main = flag_name(new, prefix)
-        old = flag_name(f.name) if new != f.name else None  # the field's own name: accepted, as the old name
-        extra = tuple(x for x in f.metadata.get("flags", ()) if x != flag_name(new)) + ((old,) if old else ())
+        main = flag_name(f.name, prefix)
+        old = f.metadata.get("old")  # the field's old name: accepted, documented as the old name
+        extra = tuple(x for x in f.metadata.get("flags", ()) if x != flag_name(f.name)) + \
+            ((flag_name(old),) if old else ())
         if is_flag:  # a switch: --name/--no-name, or the field's own names (--no-cache)
             names = list(extra) if extra and not prefix else [f"{main}/--no-{main[2:]}"]
         else:  # extra names: as they are, or prefixed like the main one (--prompts -> --es-prompts)
             names = [main] + (list(extra) if not prefix else [flag_name(x[2:], prefix) for x in extra
                                                                 if x.startswith("--")])
         default = _default_text(f)  # escaped: rich would read a bare [default: X] as markup and drop it
-        help_text = (f.metadata["help"] + (f" ({flag_name(f.name, prefix)}: the old name)" if old else "")
+        help_text = (f.metadata["help"] + (f" ({flag_name(old, prefix)}: the old name)" if old else "")
                      + (f" \\[default: {default}]" if default else ""))
         bounds = {"min": f.metadata["min"]} if f.metadata.get("min") is not None else {}
         opt = typer.Option(*names, help=help_text, show_default=False, rich_help_panel=panel, **bounds)
@@ -146,17 +134,12 @@ def options_file(path: str | Path, cls: type[Config] | str, *, arch: bool = True
 
 
 def file_keys(cls: type[Config], data: dict, source: str, *, arguments: tuple[str, ...] = ()) -> dict:
-    """A --config mapping keyed by `cls`'s field names: a RENAMED key (k, out) as its field (the old name, the
-    field's own, is accepted too, not both); a key naming one of the command's positional `arguments` (a
-    study's model) or a field kept off the command line is refused in one line, never silently replaced.
-    Other keys pass unchanged (`Config.resolve` refuses the unknown ones)."""
-    out = dict(data)
+    """A --config mapping keyed by `cls`'s field names: an option's old name (ks, output) as its own (not both:
+    `Config.current_keys`); a key naming one of the command's positional `arguments` (a study's model) or a
+    field kept off the command line is refused in one line, never silently replaced. Other keys pass
+    unchanged (`Config.resolve` refuses the unknown ones)."""
+    out = cls.current_keys(data, source)
     for f in dataclasses.fields(cls):
-        new = cli_name(cls, f.name)
-        if new != f.name and new in out:
-            if f.name in out:
-                raise DeltalensError(f"{source}: give {new} or {f.name} (its old name), not both")
-            out[f.name] = out.pop(new)
         if f.name in out and (f.name in arguments or not f.metadata.get("cli", True)):
             what = f"the {f.name.upper()} argument" if f.name in arguments else "not an option of the command line"
             raise DeltalensError(f"{source}: {f.name} is {what}; drop it from the file")
@@ -177,27 +160,11 @@ def resolve(cls: type[Config], kwargs: dict, *, unsupported: dict[str, str] | No
     yaml = {} if path is None else file_keys(cls, options_file(path, cls, arch=arch), str(path),
                                              arguments=tuple(arguments))
     explicit = given(kwargs, cls)
-    with renamed(cls):
-        cfg = cls.resolve(yaml=yaml, given={**explicit, **arguments}, source=str(path))
+    cfg = cls.resolve(yaml=yaml, given={**explicit, **arguments}, source=str(path))
     for name, why in (unsupported or {}).items():
         if name in yaml or name in explicit:
             raise DeltalensError(f"{flag_name(name)} is not yet supported by {cls.NAME} ({why}); drop it")
     return cfg
-
-
-@contextlib.contextmanager
-def renamed(cls: type[Config]):
-    """A refusal raised inside names a RENAMED option by its flag (--k), not by its field's old one (--ks)."""
-    try:
-        yield
-    except DeltalensError as e:
-        text = str(e)
-        for (name, field), new in RENAMED.items():
-            if name == cls.NAME:
-                text = re.sub(re.escape(flag_name(field)) + r"(?![\w-])", flag_name(new), text)
-        if text == str(e):
-            raise
-        raise DeltalensError(text) from None
 
 
 def split_options(data: dict, classes: dict[str, type[Config]], source: str, what: str) -> dict[str, dict]:
@@ -208,7 +175,8 @@ def split_options(data: dict, classes: dict[str, type[Config]], source: str, wha
     for part, cls in classes.items():
         for f in dataclasses.fields(cls):
             owner.setdefault(f.name, part)
-            owner.setdefault(cli_name(cls, f.name), part)
+            if f.metadata.get("old") is not None:
+                owner.setdefault(f.metadata["old"], part)
     unknown = sorted((k for k in data if k not in owner), key=repr)
     if unknown:
         shown = ", ".join(brief(k, 40) for k in unknown[:5]) + (f" and {len(unknown) - 5} more"
@@ -218,13 +186,6 @@ def split_options(data: dict, classes: dict[str, type[Config]], source: str, wha
     for k, v in data.items():
         parts[owner[k]][k] = v
     return {part: file_keys(classes[part], parts[part], source) for part in classes}
-
-
-def seeds_checks(seeds: tuple[int, ...]) -> list[tuple[bool, str]]:
-    """The checks of a --seeds list (training seeds, `deltalens.config.check`), as `deltalens study --seeds`
-    refuses them (`StudyConfig`): at least one, distinct, each >= 0."""
-    return [(bool(seeds) and len(set(seeds)) == len(seeds), "--seeds must be distinct integers"),
-            (all(x >= 0 for x in seeds), f"--seeds must be >= 0 (got {','.join(map(str, seeds))})")]
 
 
 def command(name: str, doc: str, params: list[inspect.Parameter], body: Callable[[dict], Any]) -> Callable:

@@ -7,7 +7,6 @@ temperature, as before (`deltalens.analysis.probe`)."""
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -15,41 +14,22 @@ import typer
 from rich.table import Table
 
 from deltalens.analysis.options import ProbeConfig
-from deltalens.config import option
-from deltalens.evaluation.options import shared
 
 from . import common as c
 from . import options as o
-
-PROBE_TEMPERATURES_TEXT = "0.6,1.0"  # deltalens.analysis.probe.PROBE_TEMPERATURES (not imported: it loads torch)
-
-
-@dataclass
-class ProbeOptions(ProbeConfig):
-    """`ProbeConfig` with the sampled pass's temperatures: --temperatures (a Pass@K curve at each), or
-    --temperature T (T alone, as before); neither given: PROBE_TEMPERATURES. The two together are refused."""
-
-    temperature: float | None = shared("temperature", None, "one sampling temperature, instead of --temperatures "
-                                       "(0 = greedy; GRPO trains at 1.0)")
-    temperatures: tuple[float, ...] | None = option(
-        None, "sampling temperatures, comma-separated: the sampled pass (Pass@K curve, reward, format rate, GRPO "
-              "groups) at each; the verdict uses 1.0 (GRPO's) when listed, else the first "
-              f"\\[default: {PROBE_TEMPERATURES_TEXT}]")
-
 
 MODEL = inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[
     str, typer.Argument(help="model: tiny, smollm2, HF dir, run dir, .gguf, hub id")])
 
 
 def _probe(kwargs: dict) -> None:
-    run_probe(kwargs["model"], o.resolve(ProbeOptions, kwargs))
+    run_probe(kwargs["model"], o.resolve(ProbeConfig, kwargs))
 
 
-def run_probe(model: str, cfg: ProbeOptions) -> None:
+def run_probe(model: str, cfg: ProbeConfig) -> None:
     """Can RL move MODEL on the task (the command's work): the table, the verdict, then JSON."""
     from deltalens.analysis.document import analysis_document, model_entry
     from deltalens.analysis.probe import check_probe_options, probe, probe_temperatures, signal_temperature
-    from deltalens.errors import DeltalensError
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
     from deltalens.presets import auto_preset, default_task
@@ -61,8 +41,7 @@ def run_probe(model: str, cfg: ProbeOptions) -> None:
                                                                  cfg.dtype, cfg.backend, cfg.seed)
     json_out = None if cfg.json is None else Path(cfg.json)
     # bad settings and an output that would destroy an input are refused before any data is read or model loads
-    if cfg.temperature is not None and cfg.temperatures is not None:
-        raise DeltalensError("give --temperature or --temperatures, not both")
+    # (--temperature with --temperatures: by ProbeConfig)
     check_probe_options(limit=limit, samples=samples, group=group, temperature=cfg.temperature,
                         temperatures=cfg.temperatures, max_new_tokens=max_new_tokens, chat_template=chat_template,
                         es_members=es_members, es_prompts=es_prompts, es_populations=es_populations,
@@ -123,4 +102,4 @@ def _plan_line(plan_line, temps, *, problems: int, samples: int, max_new_tokens:
 
 probe_cmd = o.command("probe", "Can RL move this model on this task? Pass@K, format rate, reward, and the share of GRPO "
                       "groups and ES populations whose rewards differ (the only thing either method learns from), "
-                      "with a verdict.", [MODEL, *o.config_params(ProbeOptions), o.config_file_param("probe")], _probe)
+                      "with a verdict.", [MODEL, *o.config_params(ProbeConfig), o.config_file_param("probe")], _probe)

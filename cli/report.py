@@ -55,7 +55,7 @@ def run_report(base: str, models: list[str], cfg: ReportConfig) -> None:
     from deltalens.io.outputs import Output, check_outputs
     from deltalens.io.spec import check_arch
 
-    output = None if cfg.output is None else Path(cfg.output)
+    output = None if cfg.out is None else Path(cfg.out)
     arch, task, data, thresholds, sparsity, held_out = (cfg.arch, cfg.task, cfg.data, cfg.thresholds, cfg.sparsity,
                                                         cfg.held_out)
     arch = check_arch(arch)

@@ -8,7 +8,7 @@
     deltalens sweep es --config sweep.yaml --out DIR   # grid: {sigma: [3.0e-3, 6.0e-3]}, seeds: [0, 1], iterations: 20
 
 One subcommand per registered method (`deltalens.training.methods`); every option is generated from a config
-dataclass: the sweep's own (grid, seeds, preset, validation scoring) from `SweepConfig`, the fixed training
+dataclass: the sweep's own (grid, seeds, preset, validation scoring) from `deltalens.study.config.SweepConfig`, the fixed training
 options from the method's config, as in `deltalens train`, and the Ray options (--ray, --cpus-per-run,
 --gpus-per-run, --ray-files) from `deltalens.study.cluster.RayOptions`, as in `deltalens study`. `--config
 FILE` holds any of them in one mapping (`deltalens.cli.options.split_options`); flags override it."""
@@ -16,16 +16,14 @@ FILE` holds any of them in one mapping (`deltalens.cli.options.split_options`); 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
-from deltalens.config import Config, check, option
 from deltalens.study.cluster import RayOptions
+from deltalens.study.config import SweepConfig
 from deltalens.training import methods
 
 from . import common as c
@@ -36,29 +34,6 @@ app = typer.Typer(name="sweep", no_args_is_help=True, add_completion=False, pret
                        "with intervals against the base and the best point.")
 
 PANEL = "Sweep"
-
-
-@dataclass
-class SweepConfig(Config):
-    """The sweep's own options (one help line each); its method's fixed options and Ray's are their configs'."""
-
-    METHOD: ClassVar[str] = "sweep"
-    NAME: ClassVar[str] = "sweep"
-
-    grid: tuple[str, ...] = option((), "an option and its values, name=v1,v2 (repeat for a product grid), e.g. "
-                                   "sigma=3e-3,6e-3; in --config a list of those, or a mapping of names to values",
-                                   repeat=True)
-    # as study --seeds: the same type (so the same parsing) and checks (`seeds_checks`), a sweep's help line
-    seeds: tuple[int, ...] = option((0,), "training seeds of every point, comma-separated")
-    preset: str | None = option(None, "hyperparameter preset under every point: auto (the model's own), paper, "
-                                "tiny, ...")
-    val_limit: int = option(200, "validation problems scored (first N)")
-    val_samples: int = option(8, "samples per validation problem")
-    val_temperature: float = option(0.6, "sampling temperature of the scoring (0 = greedy, with --val-samples 1)")
-
-    def __post_init__(self):
-        self.grid, self.seeds = tuple(self.grid), tuple(self.seeds)
-        check(o.seeds_checks(self.seeds))
 
 
 def _params(method) -> list[inspect.Parameter]:

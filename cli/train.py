@@ -8,10 +8,10 @@
     deltalens train resume runs/es [--iterations 60]            # continue a killed (or finished) run
 
 One subcommand per registered method (`deltalens.training.methods`: es, grpo), then `chain` and `resume`.
-Every option of a method and the stage options of `chain` (`--es-*`, `--grpo-*`) is generated from the
-config dataclasses (`deltalens.training.es.ESConfig`, `...grpo.GRPOConfig`, `...chain.ChainConfig`), help
-text included. An option a method does not have is refused by the
-parser; one it has but does not use in this configuration (e.g. `--workers` without `--backend ray`),
+Every option of a method and the stage options of `chain` (`--es-*`, `--grpo-*`: one prefix per stage
+method of the registry) is generated from the config dataclasses (`deltalens.training.es.ESConfig`,
+`...grpo.GRPOConfig`, `...chain.ChainConfig`), help text included. An option a method does not have is
+refused by the parser; one it has but does not use in this configuration (e.g. `--workers` without `--backend ray`),
 an unknown YAML key or a value of the wrong type is refused with one line, before anything is written.
 
 The old form `deltalens train --method es|grpo|es-grpo|grpo-es ...` still works: `cli/main.py`
@@ -116,7 +116,8 @@ for _m in methods.registered():  # es, grpo: one subcommand per registered metho
         _m.name, _m.summary, _run_params() + o.config_params(_m.config, panel=f"{_m.config.NAME} options"),
         _single(_m))))
 app.command("chain")(c.guard(o.command(
-    "chain", "ES then GRPO (or GRPO then ES) as one run directory; --budget is split between the stages.",
+    "chain", "ES then GRPO (or GRPO then ES, or any sequence of stage methods) as one run directory; --budget is "
+             "split between the stages.",
     _run_params() + o.config_params(ChainConfig, panel="Chain options") + _stage_params(), _chain)))
 
 

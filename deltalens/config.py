@@ -11,6 +11,9 @@ help line, and optionally
     cli         False keeps a field off the command line (set by a chain, for example)
     min         the least value of a number (the command line and YAML refuse a smaller one)
     repeat      a tuple of strings given by repeating the option (`--label a --label b`), not by commas
+    old         the option's old name (`k`'s `ks`): still accepted as a flag, a YAML key and a stored key,
+                and documented as the old name; giving both names is refused
+    default_text  what `--help` shows as the default of an option whose default (None) is derived later
 
 A boolean field is a `--name/--no-name` switch; with `flags`, those names alone (`--no-cache`).
 
@@ -67,13 +70,13 @@ def is_run_config(d: Any) -> bool:
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, flags: tuple[str, ...] = (),
            trajectory: bool = False, needs: tuple[str, Any] | None = None, cli: bool = True,
-           min: float | None = None, repeat: bool = False,
+           min: float | None = None, repeat: bool = False, old: str | None = None, default_text: str | None = None,
            default_factory: Any = dataclasses.MISSING) -> Any:
     """A config field with its help line and CLI/resume metadata (see module docstring)."""
     if not help:
         raise ValueError("every option needs a help line")
     meta = {"help": help, "flags": tuple(flags), "trajectory": trajectory, "needs": needs, "cli": cli, "min": min,
-            "repeat": repeat}
+            "repeat": repeat, "old": old, "default_text": default_text}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -189,8 +192,22 @@ class Config:
         return cls(**values)
 
     @classmethod
+    def current_keys(cls, d: dict, source: str) -> dict:
+        """`d` with an option's old name (`option(old=...)`) as the option's own; both names given: refused."""
+        out = dict(d)
+        for f in dataclasses.fields(cls):
+            old = f.metadata.get("old")
+            if old is not None and old in out:
+                if f.name in out:
+                    raise DeltalensError(f"{source}: give {f.name} or {old} (its old name), not both")
+                out[f.name] = out.pop(old)
+        return out
+
+    @classmethod
     def check_keys(cls, d: dict, source: str) -> dict:
-        """`d` with each value coerced to its field's type; unknown keys and wrong types are refused."""
+        """`d` with each value coerced to its field's type (an old name as its option's: `current_keys`);
+        unknown keys and wrong types are refused."""
+        d = cls.current_keys(d, source)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names, key=repr)  # a stage mapping's keys may be any YAML key
         if unknown:

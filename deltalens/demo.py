@@ -9,19 +9,38 @@ samples; the weight diff; sparsification with its controls; population diversity
 entropy; a held-out task; every claim's checks, and the HTML report. This is a demonstration at toy
 scale (one seed, small budgets): its verdicts mostly say "unclear", which is the honest answer of one
 seed; `deltalens study` with several seeds is the measurement.
+
+`DemoConfig` is the command's options (`deltalens demo --help`, `--config FILE`), the arguments of
+`demo_config`. The module is torch-free until `run_demo` runs the study, so the CLI builds its options cheaply.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
+from deltalens.config import Config, option
 from deltalens.errors import DeltalensError
+from deltalens.evaluation.options import shared
 from deltalens.study.config import StudyConfig
-from deltalens.study.run import run_study
 from deltalens.training.budget import es_units
 from deltalens.training.es.config import ESConfig
 
 DEMO_ES_ITERATIONS = 8  # ES iterations of the tiny preset at --budget 1: the unit every method is matched to
+
+
+@dataclass
+class DemoConfig(Config):
+    """Options of `deltalens demo` (one help line each): the arguments of `demo_config`."""
+
+    METHOD: ClassVar[str] = "demo"
+    NAME: ClassVar[str] = "demo"
+
+    budget: float = option(1.0, "training compute scale (1 = 8 ES iterations' worth)")
+    limit: int = option(100, "test problems evaluated per model")
+    samples: int = shared("samples")
+    seed: int = shared("seed")
 
 
 def demo_config(budget: float = 1.0, limit: int = 100, samples: int = 32, seed: int = 0) -> StudyConfig:
@@ -31,7 +50,7 @@ def demo_config(budget: float = 1.0, limit: int = 100, samples: int = 32, seed: 
     es = ESConfig.preset("tiny")
     units = es_units(max(1, round(DEMO_ES_ITERATIONS * budget)), es.prompts_per_iteration, es.population)
     return StudyConfig(model="tiny", task="arith", methods=("es", "grpo", "es-grpo"), seeds=(seed,), budget=units,
-                       base_seeds=1, limit=limit, samples=samples, ks=tuple(k for k in (1, 16, 32) if k <= samples)
+                       base_seeds=1, limit=limit, samples=samples, k=tuple(k for k in (1, 16, 32) if k <= samples)
                        or (1,), sparsity=(0.5, 0.9, 0.99), diversity_members=8, diversity_prompts=8,
                        entropy_prompts=min(limit, 100), held_out=("arith-3",))
 
@@ -39,4 +58,6 @@ def demo_config(budget: float = 1.0, limit: int = 100, samples: int = 32, seed: 
 def run_demo(out: str = "deltalens-demo", budget: float = 1.0, limit: int = 100, samples: int = 32, seed: int = 0,
              progress_factory=None, log: Callable[[str], None] = print) -> dict:
     """Run the demo study into `out`; returns the analysis document."""
+    from deltalens.study.run import run_study  # the study's measurements load torch
+
     return run_study(demo_config(budget, limit, samples, seed), out, log=log, progress_factory=progress_factory)

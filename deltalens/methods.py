@@ -3,7 +3,8 @@ of methods are named. The layers that must not load a trainer (the analysis docu
 options) ask here.
 
     names()                 ("es", "grpo")            single-run methods, in registration order
-    stage_names()           ("es", "grpo")            the methods a chain may hold
+    stage_names()           ("es", "grpo")            the methods a chain may hold (every registered one
+                                                      unless registered with stage=False)
     chain_name(["es", "grpo"])    "es-grpo"           what a chain's config.json says in "method"
     chain_stages("grpo-es") ("grpo", "es")            None for anything that is not a chain's name
     chains()                ("es-grpo", "grpo-es")    the two-stage chains of distinct methods
@@ -11,9 +12,10 @@ options) ask here.
     is_run_method("es-grpo-es")   True                any single method or any chain of stage methods
 
 The registry proper (config class, train function, budget unit) is `deltalens.training.methods`;
-registering a method there declares its name here. es and grpo are declared here as well, so their
-names are known without importing any training code. A method becomes a chain stage only with a
-stage-options field of its name in `deltalens.training.chain.ChainConfig` (`stage=True` here).
+registering a method there declares its name here, as a chain stage unless it says otherwise
+(`Method.stage`): a chain (`deltalens.training.chain`) holds any stage method, its stage options under
+its name. es and grpo are declared here as well (BUILT_IN), so their names are known without importing
+any training code; they cannot be dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from deltalens.errors import DeltalensError
 
 NAME = re.compile(r"[a-z][a-z0-9_]*")  # no "-": it joins a chain's stages
 RESERVED = ("chain", "resume")  # `deltalens train` subcommands that are not methods
+BUILT_IN = ("es", "grpo")  # declared below; never dropped
 _STAGE: dict[str, bool] = {}  # name -> a chain may hold it
 
 
@@ -38,9 +41,9 @@ def declare(name: str, *, stage: bool = False) -> None:
 
 
 def forget(name: str) -> None:
-    """Drop a method declared later (tests undo what they register); a chain stage stays."""
-    if _STAGE.get(name):
-        raise DeltalensError(f"{name} is a chain stage; it cannot be dropped")
+    """Drop a method declared later (tests undo what they register); es and grpo stay."""
+    if name in BUILT_IN:
+        raise DeltalensError(f"{name} is a built-in method and chain stage; it cannot be dropped")
     _STAGE.pop(name, None)
 
 
@@ -50,7 +53,7 @@ def names() -> tuple[str, ...]:
 
 
 def stage_names() -> tuple[str, ...]:
-    """The methods a chain may hold, in registration order (es, grpo)."""
+    """The methods a chain may hold, in registration order (es, grpo, then any registered later as stages)."""
     return tuple(m for m, stage in _STAGE.items() if stage)
 
 
@@ -83,5 +86,5 @@ def is_run_method(name) -> bool:
     return (isinstance(name, str) and name in _STAGE) or chain_stages(name) is not None
 
 
-declare("es", stage=True)
-declare("grpo", stage=True)
+for _name in BUILT_IN:
+    declare(_name, stage=True)

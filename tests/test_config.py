@@ -65,3 +65,26 @@ def test_a_least_value_is_refused_from_every_source():
         EvalConfig.resolve(given={"seed": -2})
     assert EvalConfig.resolve(yaml={"seed": 2, "label": ["a,b", "c"]}, given={"seed": 3}) == \
         EvalConfig(seed=3, label=("a,b", "c"))
+
+
+def test_every_commands_config_is_defined_below_the_cli():
+    """The CLI generates its options from config dataclasses that live in deltalens/ (the sweep's in
+    deltalens.study.config, the demo's in deltalens.demo, the probe's temperatures in ProbeConfig), never
+    subclasses of its own."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import deltalens.cli
+
+    from deltalens.config import Config
+
+    found = set()
+    for info in pkgutil.iter_modules(deltalens.cli.__path__):
+        mod = importlib.import_module(f"deltalens.cli.{info.name}")
+        for obj in vars(mod).values():
+            if inspect.isclass(obj) and issubclass(obj, Config) and obj is not Config:
+                assert not obj.__module__.startswith("deltalens.cli"), obj
+                found.add(f"{obj.__module__}.{obj.__name__}")
+    assert {"deltalens.study.config.SweepConfig", "deltalens.demo.DemoConfig",
+            "deltalens.analysis.options.ProbeConfig"} <= found

@@ -10,12 +10,13 @@ import pytest
 from deltalens.reports.common import fmt_g
 from support import run_cli, tiny_spec
 
+from deltalens.errors import DeltalensError
 from deltalens.schema import validate
 from deltalens.study import run as study_run
 from deltalens.study.config import StudyConfig
 from deltalens.training import methods
 
-SMALL = {"methods": ("es", "grpo"), "seeds": (0, 1), "budget": 4096, "limit": 6, "samples": 4, "ks": (1, 4),
+SMALL = {"methods": ("es", "grpo"), "seeds": (0, 1), "budget": 4096, "limit": 6, "samples": 4, "k": (1, 4),
          "base_seeds": 2, "sparsity": (0.9,), "sparsify_samples": 2, "diversity_members": 2, "diversity_prompts": 2,
          "entropy_prompts": 3, "resamples": 100}
 
@@ -189,3 +190,21 @@ def _verdict_from_the_document(doc, cfg):
     assert doc["sparsify"]["es-s0"]["base_pass_at_k"]["1"] == pytest.approx(b)
     assert set(sp["points"][0]) >= {"threshold", "random", "shrink"}
     assert len(doc["study"]["data"]["entropy"]["base"]) == 3 and "grpo-s1" in doc["study"]["data"]["entropy"]
+
+
+def test_an_old_study_with_ks_resumes_its_directory(tmp_path):
+    """`ks` is the old name of `k`: an old study's YAML gives the same study, and its DIR/study.json (the pinned
+    settings: none of them renamed) matches it, so the rerun is not refused as "a study with other settings"."""
+    from deltalens.study.run import _check_study_file
+
+    old = StudyConfig.resolve(yaml={"ks": [4, 1], "samples": 4})
+    new = StudyConfig.resolve(yaml={"k": [1, 4], "samples": 4})
+    assert old == new and old.k == (1, 4)
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / "study.json").write_text(json.dumps({"model": "tiny", "task": "arith", "budget": None, "preset": "auto",
+                                                "chat_template": "auto"}))  # as an older study pinned them
+    _check_study_file(old, out)
+    _check_study_file(new, out)
+    with pytest.raises(DeltalensError, match="give k or ks"):
+        StudyConfig.resolve(yaml={"ks": [1], "k": [1]})

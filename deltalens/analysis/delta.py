@@ -60,9 +60,8 @@ import torch
 from deltalens.analysis.document import analysis_document, model_entry
 from deltalens.errors import DeltalensError
 from deltalens.io.source import TensorSource
-from deltalens.io.spec import check_arch, default_labels, resolve
-from deltalens.io.tensors import arch_config as tensors_arch_config
-from deltalens.io.tensors import open_tensors
+from deltalens.io.spec import ModelRef, default_labels
+from deltalens.io.tensors import open_tensors, references
 
 GROUPS = ("embed", "lm_head", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_o", "attn_bias",
           "mlp_gate", "mlp_up", "mlp_down", "norm", "other")
@@ -791,29 +790,16 @@ def rel_l2_ratios(diff: dict) -> list[dict]:
     return out
 
 
-def arch_config(arch: str | None) -> dict:
-    """config.json of the architecture `arch` names (see `deltalens.io.spec.check_arch`); {} for none, or
-    for one without a readable config.json (a GGUF, a hub id)."""
-    return tensors_arch_config(check_arch(arch))
-
-
-def _open(path, config: dict) -> TensorSource:
-    """open_tensors(path); a bare weights file without a config of its own gets `config` (the --arch one)."""
-    src = open_tensors(path)
-    if config and not src.config and isinstance(path, (str, Path)) and resolve(path).kind == "weights":
-        src.config = config
-    return src
-
-
 def diff_checkpoints(base_path, ckpt_paths, labels: list[str] | None = None, tol: float = 1e-6,
                      topk: int = 100, strict: bool = False, progress: bool = True, svd: int = 0,
                      arch: str | None = None) -> dict:
     """Compare checkpoints with one base: {"diff": {label: ...}, "ratios": [...]} (see analysis-schema.md).
 
-    Paths are anything `deltalens.io.tensors.open_tensors` reads; memory stays at a few tensors. `arch`:
-    the architecture lent to bare weight files (their tied embeddings; module docstring).
+    Paths are anything `deltalens.io.tensors.open_tensors` reads, each resolved once (`references`); memory
+    stays at a few tensors. `arch`: the architecture lent to bare weight files (their tied embeddings;
+    module docstring).
     """
-    ckpt_paths = [ckpt_paths] if isinstance(ckpt_paths, (str, Path)) else list(ckpt_paths)
+    ckpt_paths = [ckpt_paths] if isinstance(ckpt_paths, (str, Path, ModelRef)) else list(ckpt_paths)
     if not ckpt_paths:
         raise DeltalensError("give at least one checkpoint to compare with the base")
     labels = list(labels) if labels else default_labels(ckpt_paths)
@@ -826,10 +812,10 @@ def diff_checkpoints(base_path, ckpt_paths, labels: list[str] | None = None, tol
                    TimeElapsedColumn(),
                    console=Console(stderr=True), transient=True, disable=not progress)
     diff = {}
-    config = arch_config(arch)
-    with bar, gc_frozen(), _open(base_path, config) as base:
-        for label, path in zip(labels, ckpt_paths):
-            with _open(path, config) as ckpt:
+    base_ref, *refs = references([base_path, *ckpt_paths], arch)
+    with bar, gc_frozen(), open_tensors(base_ref) as base:
+        for label, ref in zip(labels, refs):
+            with open_tensors(ref) as ckpt:
                 task = bar.add_task(f"diff {label}", total=None)
                 diff[label] = diff_sources(base, ckpt, tol=tol, topk=topk, strict=strict, svd=svd,
                                            progress=lambda done, total, t=task: bar.update(t, completed=done,
@@ -854,9 +840,12 @@ def diff_table(doc: dict):
         {"layer": "Int64", "n": "Int64"})
 
 
-def diff_analysis(base_path, ckpt_paths, labels: list[str] | None = None, **kw) -> dict:
-    """A complete analysis.json document (schema_version, base, models, diff, ratios) for a diff."""
-    ckpt_paths = [ckpt_paths] if isinstance(ckpt_paths, (str, Path)) else list(ckpt_paths)
+def diff_analysis(base_path, ckpt_paths, labels: list[str] | None = None, *, arch: str | ModelRef | None = None,
+                  **kw) -> dict:
+    """A complete analysis.json document (schema_version, base, models, diff, ratios) for a diff; each model
+    spec (and `arch`) resolved once here (`references`), the diff and the models' entries take the references."""
+    ckpt_paths = [ckpt_paths] if isinstance(ckpt_paths, (str, Path, ModelRef)) else list(ckpt_paths)
     labels = list(labels) if labels else default_labels(ckpt_paths)
-    result = diff_checkpoints(base_path, ckpt_paths, labels, **kw)
-    return analysis_document(base_path, [model_entry(lab, p) for lab, p in zip(labels, ckpt_paths)], **result)
+    base_ref, *refs = references([base_path, *ckpt_paths], arch)
+    result = diff_checkpoints(base_ref, refs, labels, **kw)
+    return analysis_document(base_path, [model_entry(lab, r) for lab, r in zip(labels, refs)], **result)

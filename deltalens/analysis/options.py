@@ -20,19 +20,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from deltalens.config import NOT_NONE, Config, option
+from deltalens.config import NOT_NONE, Config, check, option
 from deltalens.evaluation.options import HF_ONLY, shared
 
 REPORT_LIMIT = 100  # default test problems of a report's evaluations (minutes on tiny; README)
 SPARSIFY_LIMIT = 100  # default test problems: a sweep of 6 evaluations x 100 x 32 fits minutes on tiny (README)
 WITH_TASK = ("task", NOT_NONE)  # `needs`: a report evaluates (and samples, sparsifies, ...) only with --task
+PROBE_TEMPERATURES = (0.6, 1.0)  # a probe's sampled pass: the paper's evaluation temperature and GRPO's training one
 
 
 # A report compares models that differ by small updates: bf16 rounds a weight to ~0.4% of its size, which can
 # hide an ES update (per-element steps of ~1e-4 beside norm weights of ~1), so its evaluations stay fp32 unless asked.
 REPORT_COMPUTE_HELP = ("what its evaluations generate in: fp32 (the default here: a report compares models that "
                        "differ by small updates, which bf16's ~0.4% rounding can hide), bf16, or auto (bf16 on a "
-                       "CPU with AMX-BF16 or a bf16 GPU for hidden size >= 512)")
+                       "CPU with AMX-BF16 or AVX512-BF16 or a bf16 GPU for hidden size >= 512)")
 
 
 @dataclass
@@ -41,8 +42,8 @@ class ReportConfig(Config):
 
     NAME: ClassVar[str] = "report"
 
-    output: str | None = option(None, "directory of the report: report.html, analysis.json and cache/ (default "
-                                      "./deltalens-report)", flags=("-o",))
+    out: str | None = option(None, "directory of the report: report.html, analysis.json and cache/ (default "
+                                   "./deltalens-report)", flags=("-o",), old="output")
     label: tuple[str, ...] = option((), "label per model (repeat; default: file stems)", repeat=True)
     task: str | None = shared("task", help="evaluate Pass@K curves on this task")
     data: str | None = shared("data", needs=WITH_TASK)
@@ -144,7 +145,8 @@ class DiversityConfig(Config):
 
 @dataclass
 class ProbeConfig(Config):
-    """Options of `deltalens probe MODEL`."""
+    """Options of `deltalens probe MODEL`. The sampled pass's temperatures: --temperatures (a Pass@K curve at
+    each), or --temperature T (T alone); neither given: PROBE_TEMPERATURES; the two together are refused."""
 
     NAME: ClassVar[str] = "probe"
 
@@ -153,7 +155,12 @@ class ProbeConfig(Config):
     limit: int | None = shared("limit", 200, "problems of the split")
     samples: int = shared("samples", help="samples per problem (K of Pass@K)")
     group: int = option(8, "GRPO group size G (groups are cut from the samples)", flags=("-G",))
-    temperature: float = shared("temperature", 1.0, "sampling temperature (GRPO trains at 1.0)")
+    temperature: float | None = shared("temperature", None, "one sampling temperature, instead of --temperatures "
+                                       "(0 = greedy; GRPO trains at 1.0)")
+    temperatures: tuple[float, ...] | None = option(
+        None, "sampling temperatures, comma-separated: the sampled pass (Pass@K curve, reward, format rate, GRPO "
+              "groups) at each; the verdict uses 1.0 (GRPO's) when listed, else the first",
+        default_text=",".join(map(str, PROBE_TEMPERATURES)))
     es_members: int = option(8, "members per ES population")
     es_prompts: int = option(16, "training prompts per ES population")
     es_populations: int = option(2, "ES populations scored (0 = skip ES)")
@@ -170,3 +177,9 @@ class ProbeConfig(Config):
     seed: int = shared("seed")
     json: str | None = shared("json")
     compute_dtype: str = shared("compute_dtype", needs=HF_ONLY)  # the sampled and greedy passes' (ES: fp32)
+
+    def __post_init__(self):
+        if self.temperatures is not None:
+            self.temperatures = tuple(self.temperatures)
+        check([(self.temperature is None or self.temperatures is None,
+                "give --temperature or --temperatures, not both")])

@@ -44,6 +44,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
+from deltalens.analysis.options import PROBE_TEMPERATURES
 from deltalens.errors import DeltalensError
 from deltalens.evaluation.passk import summarize
 from deltalens.generation import BACKENDS, SamplingParams, backend_for_spec
@@ -56,7 +57,6 @@ from deltalens.training.es.engine import ESEngine
 from deltalens.training.es.strategy import iteration_problems
 
 Progress = Callable[[str], None]
-PROBE_TEMPERATURES = (0.6, 1.0)  # the paper's evaluation temperature and GRPO's training temperature
 GRPO_TEMPERATURE = 1.0  # the GRPO signal's temperature when probed (GRPO samples its groups at 1.0)
 
 

@@ -49,7 +49,7 @@ from deltalens.io.atomic import save_state_dict
 from deltalens.io.models import check_finite
 from deltalens.io.source import DictSource, TensorSource
 from deltalens.io.spec import default_label
-from deltalens.io.tensors import load_state_dict, open_tensors
+from deltalens.io.tensors import load_state_dict, open_tensors, references
 
 CHUNK = 1 << 22     # coordinates per step (16 MB of float32 per temporary)
 _SHIFT = 16         # histogram key: top 16 bits of the float32 pattern (sign 0, 8 exponent, 7 mantissa)
@@ -356,12 +356,14 @@ def sparsify_sweep(base_path, ckpt_path, taus: Sequence[float], evaluate_fn: Cal
 def sparsify_analysis(base_path, ckpt_path, taus: Sequence[float], evaluate_fn: Callable[[dict], dict], *,
                       sparsities: Sequence[float] = (), label: str | None = None, task: str | None = None,
                       out_dir: str | Path | None = None, on_start: Callable[[], None] | None = None) -> dict:
-    """A complete analysis.json document (base, models, evals, sparsify) for one sparsification sweep."""
+    """A complete analysis.json document (base, models, evals, sparsify) for one sparsification sweep; the base
+    and the checkpoint resolved once here (`deltalens.io.tensors.references`), every later step takes them."""
     label = label or default_label(ckpt_path)
+    base_ref, ckpt_ref = references([base_path, ckpt_path])
     evals: dict = {}
-    section = sparsify_sweep(base_path, ckpt_path, taus, evaluate_fn, out_dir, sparsities=sparsities,
+    section = sparsify_sweep(base_ref, ckpt_ref, taus, evaluate_fn, out_dir, sparsities=sparsities,
                              label=label, task=task, evals=evals, on_start=on_start)
-    return analysis_document(base_path, [model_entry(label, ckpt_path)], evals=evals, sparsify=section)
+    return analysis_document(base_path, [model_entry(label, ckpt_ref)], evals=evals, sparsify=section)
 
 
 def load_state_dict_any(x) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from deltalens.io.gguf import GGUFSource
 from deltalens.io.runs import RunDir
 from deltalens.io.safetensors import SafetensorsSource
 from deltalens.io.source import Borrowed, DictSource, TensorSource, one_line
-from deltalens.io.spec import NAMED_MODELS, ModelRef, resolve
+from deltalens.io.spec import NAMED_MODELS, ModelRef, resolve, resolve_arch
 from deltalens.io.torchfile import torch_load
 
 
@@ -95,6 +95,21 @@ def resolve_checkpoint(spec: str | os.PathLike | ModelRef) -> Path:
     if path.exists() or str(spec) in NAMED_MODELS:
         return resolve(spec).path
     raise DeltalensError(f"no such file: {spec}")
+
+
+def references(paths: list, arch: str | ModelRef | None = None) -> list:
+    """What `open_tensors` reads, each model spec resolved once into a `ModelRef` that every later step takes
+    (`deltalens.io.spec.resolve`; bare weights carry `arch`, resolved once here, whose config.json
+    `open_tensors` lends them). As they are: a state dict, an open TensorSource, a reference, and a directory
+    of weights without config.json (`open_tensors` reads one; `resolve` takes no such model spec)."""
+    arch = resolve_arch(arch)
+    out = []
+    for p in paths:
+        if isinstance(p, (str, os.PathLike)):
+            d = Path(p).expanduser()
+            p = p if d.is_dir() and not (d / "config.json").is_file() else resolve(p, arch=arch)
+        out.append(p)
+    return out
 
 
 def open_tensors(path: str | os.PathLike | dict | ModelRef | TensorSource) -> TensorSource:

@@ -102,7 +102,7 @@ def method_effects(cfg: StudyConfig, base_evals: list[dict], evals_by_group: dic
     sampling seeds, per problem (`stats.paired_effect`). Keyed (group, metric, k)."""
     effects = {}
     for group, evs in evals_by_group.items():
-        for metric, ks in (("pass", cfg.ks), ("maj", [k for k in cfg.ks if k > 1])):
+        for metric, ks in (("pass", cfg.k), ("maj", [k for k in cfg.k if k > 1])):
             for k in ks:
                 effects[(group, metric, k)] = stats.paired_effect(table_of(evs, metric, k),
                                                                   table_of(base_evals, metric, k), span=1.0,
@@ -120,8 +120,8 @@ def evaluation_checks(cfg: StudyConfig, base_evals: list[dict], evals_by_group: 
     effects = method_effects(cfg, base_evals, evals_by_group, R)
     checks: list[dict] = []
     margin = cfg.noninferiority_margin
-    k_hi = [k for k in cfg.ks if k > 1]
-    for meth, want in (("grpo", {1: +1, **{k: -1 for k in k_hi}}), ("es", {k: +1 for k in cfg.ks})):
+    k_hi = [k for k in cfg.k if k > 1]
+    for meth, want in (("grpo", {1: +1, **{k: -1 for k in k_hi}}), ("es", {k: +1 for k in cfg.k})):
         if meth in evals_by_group:
             for k, d in want.items():
                 e = effects[(meth, "pass", k)]
@@ -132,7 +132,7 @@ def evaluation_checks(cfg: StudyConfig, base_evals: list[dict], evals_by_group: 
                                             base_value=e["base"]))
     checks += problems_lost_checks(cfg, base_evals, evals_by_group, R, at)
     if primary and "es-grpo" in evals_by_group:
-        kmax = max(cfg.ks)
+        kmax = max(cfg.k)
         chain = evals_by_group["es-grpo"]
         for other in ("es", "grpo"):
             if other in evals_by_group:
@@ -208,7 +208,7 @@ def population_checks(cfg, base_evals, evals_by_group, R) -> list[dict]:
         if not other:
             raise DeltalensError(f"claim 7 compares the two-point runs with {group} (ES at N="
                                  f"{TWO_POINT_REFERENCE_N}), which has no evaluations; rerun the study")
-        for k in sorted({1, max(cfg.ks)}):
+        for k in sorted({1, max(cfg.k)}):
             e = stats.paired_effect(table_of(two, "pass", k), table_of(other, "pass", k), trained_base=True,
                                     span=1.0, resamples=R, replicates=True)
             checks.append(_effect_check(7, f"two-point es (N=2) minus {group} (N={TWO_POINT_REFERENCE_N}), "

@@ -1,5 +1,6 @@
-"""`StudyConfig`: the settings of `deltalens study` (one help line each; CLI options generated from it).
-Torch-free, so the CLI builds its options without loading the trainers."""
+"""`StudyConfig`: the settings of `deltalens study`, and `SweepConfig`: a sweep's own (grid, seeds, validation
+scoring); one help line each, CLI options generated from them. Torch-free, so the CLI builds its options
+without loading the trainers."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from deltalens.training.tracking import HELP as REPORT_TO_HELP
 from deltalens.training.tracking import normalize_report_to
 
 PAPER_TEMPERATURE = 0.6  # the paper's evaluation temperature: claim 1's verdict uses it when it is evaluated
+
+
+def seeds_checks(seeds: tuple[int, ...]) -> list[tuple[bool, str]]:
+    """The checks of a --seeds list of training seeds (`deltalens.config.check`), on a study and a sweep: at
+    least one, distinct, each >= 0."""
+    return [(bool(seeds) and len(set(seeds)) == len(seeds), "--seeds must be distinct integers"),
+            (all(x >= 0 for x in seeds), f"--seeds must be >= 0 (got {','.join(map(str, seeds))})")]
 
 
 @dataclass
@@ -42,7 +50,7 @@ class StudyConfig(Config):
     temperatures: tuple[float, ...] | None = option(None, "evaluation temperatures, comma-separated (e.g. 0.6,1.0: "
                                                     "T=1.0 beside the paper's 0.6 checks a cold-base artefact); "
                                                     "claim 1's verdict uses 0.6 when listed, else the first")
-    ks: tuple[int, ...] = option((1, 16, 32), "K values of Pass@K and Maj@K", flags=("--k",))
+    k: tuple[int, ...] = option((1, 16, 32), "K values of Pass@K and Maj@K", old="ks")
     sparsity: tuple[float, ...] = option((0.5, 0.9, 0.99), "target sparsities of the thresholding (claim 3)")
     sparsify_samples: int = option(8, "samples per problem of the sparsity evaluations (Pass@1)")
     diversity_members: int = option(8, "ES population size of the diversity measurement (claims 9 and 10)")
@@ -67,7 +75,7 @@ class StudyConfig(Config):
                                           "reproduced when method minus base is surely above -margin")
 
     def __post_init__(self):
-        self.methods, self.seeds, self.ks = tuple(self.methods), tuple(self.seeds), tuple(sorted(set(self.ks)))
+        self.methods, self.seeds, self.k = tuple(self.methods), tuple(self.seeds), tuple(sorted(set(self.k)))
         self.sparsity, self.held_out = tuple(self.sparsity), tuple(self.held_out)
         self.population_sizes = tuple(sorted(set(self.population_sizes)))
         if self.temperatures is not None:
@@ -78,12 +86,11 @@ class StudyConfig(Config):
             (bool(self.methods) and set(self.methods) <= set(run_methods()),
              f"--methods must be among {', '.join(run_methods())} (got {','.join(self.methods)})"),
             (len(set(self.methods)) == len(self.methods), "--methods lists a method twice"),
-            (bool(self.seeds) and len(set(self.seeds)) == len(self.seeds), "--seeds must be distinct integers"),
-            (all(x >= 0 for x in self.seeds), f"--seeds must be >= 0 (got {','.join(map(str, self.seeds))})"),
+            *seeds_checks(self.seeds),
             (self.base_seeds >= 1, f"--base-seeds must be >= 1 (got {self.base_seeds})"),
             (self.limit is None or self.limit >= 2, f"--limit must be >= 2 (got {self.limit})"),
-            (self.samples >= 1 and max(self.ks) <= self.samples and min(self.ks) >= 1,
-             f"--ks must lie in 1..--samples {self.samples} (got {list(self.ks)})"),
+            (self.samples >= 1 and max(self.k) <= self.samples and min(self.k) >= 1,
+             f"--k must lie in 1..--samples {self.samples} (got {list(self.k)})"),
             (self.temperature is None or self.temperatures is None,
              "give --temperature or --temperatures, not both"),
             (all(math.isfinite(t) and t > 0 for t in temps), "--temperature(s) must be > 0 (sampling)"),
@@ -120,3 +127,27 @@ class StudyConfig(Config):
         paper's 0.6 when evaluated (claim 1 is the paper's statement at its setting), else the first given."""
         temps = self.eval_temperatures
         return PAPER_TEMPERATURE if PAPER_TEMPERATURE in temps else temps[0]
+
+
+@dataclass
+class SweepConfig(Config):
+    """A sweep's own options (`deltalens sweep`; one help line each); its method's fixed options and Ray's are
+    their configs' (`deltalens.study.sweep`, `deltalens.study.cluster.RayOptions`)."""
+
+    METHOD: ClassVar[str] = "sweep"
+    NAME: ClassVar[str] = "sweep"
+
+    grid: tuple[str, ...] = option((), "an option and its values, name=v1,v2 (repeat for a product grid), e.g. "
+                                   "sigma=3e-3,6e-3; in --config a list of those, or a mapping of names to values",
+                                   repeat=True)
+    # as study --seeds: the same type (so the same parsing) and checks (`seeds_checks`), a sweep's help line
+    seeds: tuple[int, ...] = option((0,), "training seeds of every point, comma-separated")
+    preset: str | None = option(None, "hyperparameter preset under every point: auto (the model's own), paper, "
+                                "tiny, ...")
+    val_limit: int = option(200, "validation problems scored (first N)")
+    val_samples: int = option(8, "samples per validation problem")
+    val_temperature: float = option(0.6, "sampling temperature of the scoring (0 = greedy, with --val-samples 1)")
+
+    def __post_init__(self):
+        self.grid, self.seeds = tuple(self.grid), tuple(self.seeds)
+        check(seeds_checks(self.seeds))

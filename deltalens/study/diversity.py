@@ -36,7 +36,7 @@ def diversity_task(ctx: TaskContext, cfg: StudyConfig, label: str) -> dict:
                       prompts=cfg.diversity_prompts, temperature=temperature, chat=cfg.chat_template)
     ctx.log(f"population diversity of {label} around iteration {it}")
     div = m.cache.get_or_compute(key, lambda: diversity_section(
-        spec, m.task, members=cfg.diversity_members, iteration=it, prompts=cfg.diversity_prompts,
+        m.ref(spec), m.task, members=cfg.diversity_members, iteration=it, prompts=cfg.diversity_prompts,
         samples=4, temperature=temperature, chat_template=cfg.chat_template), m.log)
     # the run and its checkpoint as the rest of the document names them: relative to DIR, not this machine's paths
     return {**div, **{k: Path(os.path.relpath(div[k], ctx.root)).as_posix()

@@ -6,7 +6,9 @@
     entropy      token entropy of a model along its own samples (at the verdict temperature)
 
 `Measures` holds what one process shares between measurements: the cache (DIR/cache/<what>-<hash>.json;
-a rerun recomputes nothing that is done), the weights hashes, one HF model in memory at a time, and with
+a rerun recomputes nothing that is done), each model spec resolved once into a `ModelRef` (`Measures.ref`:
+its hash, its loading, the diff and the diversity pass take that reference), the weights hashes, one HF
+model in memory at a time, and with
 --backend vllm one engine that serves every sampling seed of one model. The backend is decided here, once
 (`Measures.vllm`); training, entropy and diversity always run on HF.
 
@@ -26,7 +28,7 @@ from deltalens.analysis.report import Cache, weights_hash
 from deltalens.evaluation import evaluate, evaluate_state_dict
 from deltalens.evaluation.passk import pass_at_k
 from deltalens.io.models import load_model
-from deltalens.io.runs import RunDir
+from deltalens.io.spec import ModelRef, resolve
 from deltalens.study.config import StudyConfig
 from deltalens.study.executor import TaskContext
 from deltalens.study.runs import run_plan
@@ -50,14 +52,21 @@ class Measures:
         self.backend_key = {"backend": cfg.backend} if self.vllm else {}
         self.cache = Cache(out / "cache")
         self.task = get_task(cfg.task)
+        self.refs: dict[str, ModelRef] = {}
         self.hashes: dict[str, str] = {}
         self._loaded: dict = {}
         self._sparse: dict = {}  # the base model the sparsity evaluations overwrite (evaluate_state_dict's cache)
         self._engine: tuple | None = None  # (spec, vLLM backend): one engine serves all seeds of one model
 
+    def ref(self, spec: str) -> ModelRef:
+        """`spec` (the base, or a run directory once trained) resolved once (`deltalens.io.spec.resolve`)."""
+        if spec not in self.refs:
+            self.refs[spec] = resolve(spec)
+        return self.refs[spec]
+
     def hash(self, spec: str) -> str:
         if spec not in self.hashes:
-            self.hashes[spec] = weights_hash(spec)
+            self.hashes[spec] = weights_hash(self.ref(spec))
         return self.hashes[spec]
 
     def model(self, spec: str):
@@ -65,7 +74,7 @@ class Measures:
             self.close_engine()
             self._loaded.clear()  # one model in memory at a time
             self._sparse.clear()
-            self._loaded[spec] = load_model(spec)
+            self._loaded[spec] = load_model(self.ref(spec))
         return self._loaded[spec]
 
     def close_engine(self) -> None:
@@ -94,7 +103,7 @@ class Measures:
         cfg = self.cfg
         task = task or self.task
         samples = samples or cfg.samples
-        ks = [k for k in cfg.ks if k <= samples] or [1]
+        ks = [k for k in cfg.k if k <= samples] or [1]
         key = self.cache.key("study-eval", weights=self.hash(spec), task=task.spec, samples=samples, ks=ks,
                              temperature=temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template,
                              **self.backend_key)
@@ -226,7 +235,7 @@ def diff_task(ctx: TaskContext, cfg: StudyConfig) -> dict:
     labels = [r["label"] for r in plan]
     ctx.log("diffing every run against the base")
     key = m.cache.key("study-diff", base=m.hash(cfg.model), runs=[m.hash(str(r["dir"])) for r in plan], labels=labels)
-    _, path = m.cached(key, lambda: diff_checkpoints(cfg.model, [str(RunDir(r["dir"]).weights()) for r in plan],
+    _, path = m.cached(key, lambda: diff_checkpoints(m.ref(cfg.model), [m.ref(str(r["dir"])) for r in plan],
                                                      labels, progress=False))
     return {"cache": path}
 

@@ -111,8 +111,8 @@ def study_base(cfg: StudyConfig, base_evals: list[dict], effects: dict) -> dict:
     ks = curves[0]["k"]
     mean = {m: [sum(c[m][i] for c in curves) / len(curves) for i in range(len(ks))] for m in ("pass", "maj")}
     first = next(iter({g for g, _, _ in effects}), None)
-    pk = {str(k): effects[(first, "pass", k)]["base"] for k in cfg.ks} if first else {}
-    mk = {str(k): effects[(first, "maj", k)]["base"] for k in cfg.ks if k > 1} if first else {}
+    pk = {str(k): effects[(first, "pass", k)]["base"] for k in cfg.k} if first else {}
+    mk = {str(k): effects[(first, "maj", k)]["base"] for k in cfg.k if k > 1} if first else {}
     if "1" in pk:
         mk["1"] = pk["1"]  # Maj@1 = Pass@1
     return {"definition": BASE_DEFINITION, "sampling_seeds": len(base_evals), "temperature": cfg.verdict_temperature,

@@ -28,7 +28,6 @@ def train_run(ctx: TaskContext, cfg: StudyConfig, label: str) -> dict:
         fn = functools.partial(methods.get(r["method"]).train, r["configs"][r["method"]], r["dir"])
     else:
         fn = functools.partial(train_chain, r["dir"], list(stages), model=cfg.model, task=cfg.task,
-                               budget=study_budget(cfg), es_config=r["configs"].get("es"),
-                               grpo_config=r["configs"].get("grpo"))
+                               budget=study_budget(cfg), configs=r["configs"])
     train_unless_finished(r["dir"], r["total"], r["label"], fn, log=ctx.log, progress_factory=ctx.progress)
     return {"label": label, "dir": f"runs/{label}", "total": r["total"]}

@@ -1,4 +1,4 @@
-"""Chains: ES then GRPO (or GRPO then ES, or any sequence of "es"/"grpo") as one run directory.
+"""Chains: ES then GRPO (or GRPO then ES, or any sequence of stage methods) as one run directory.
 
     out/
       config.json      {"method": "es-grpo", "methods": [...], "model", "task", "budget", "fractions",
@@ -19,16 +19,18 @@ The file is a valid `deltalens train chain --config` that reproduces the chain (
 the chain's options, and per method the options of its stages less those the chain sets itself, and less
 the iterations/steps when the chain has a budget (derived from it, and derived again the same way).
 
-Each stage after the first starts from the previous stage's final checkpoint: GRPO through `init_from`,
-ES through its `model` (`Method.start_from`; each stage's config class, trainer and budget unit come from
-`deltalens.training.methods`). With `budget`, the stages split it (equal shares by default, `fractions`) and
-each gets the most iterations/steps that fit its share. A killed chain resumes stage by stage:
-finished stages are skipped, the interrupted one resumes from its last checkpoint.
+The stage methods are the registry's (`deltalens.training.methods`, names in `deltalens.methods.stage_names`:
+es, grpo, and any method registered later as a stage); each stage's config class, trainer and budget unit
+come from there. Each stage after the first starts from the previous stage's final checkpoint: GRPO through
+`init_from`, ES through its `model` (`Method.start_from`). With `budget`, the stages split it (equal shares
+by default, `fractions`) and each gets the most iterations/steps that fit its share. A killed chain resumes
+stage by stage: finished stages are skipped, the interrupted one resumes from its last checkpoint.
 
-`ChainConfig` is what `deltalens train chain` and YAML files give: the chain's own fields plus the
-stages' options (`es`, `grpo`: option name -> value, each checked against ESConfig / GRPOConfig; on the
-command line `--es-sigma`, `--grpo-learning-rate`, ...). The stage fields a chain sets itself (model,
-task, data, init_from, and the counts when a budget is given) cannot be given per stage.
+`ChainConfig` is what `deltalens train chain` and YAML files give: the chain's own fields plus each stage
+method's options under its name (`es:`, `grpo:`: option name -> value, checked against that method's config;
+on the command line `--es-sigma`, `--grpo-learning-rate`, ...; in Python `stage_options={"es": {...}}`). The
+stage fields a chain sets itself (model, task, data, init_from, and the counts when a budget is given)
+cannot be given per stage.
 """
 
 from __future__ import annotations
@@ -63,13 +65,13 @@ CHAIN_OWNED = ("model", "task", *TASK_FIELDS, "init_from", "budget", "report_to"
 
 @dataclass
 class ChainConfig(Config):
-    """A chain of ES / GRPO stages (see module docstring)."""
+    """A chain of stages, each a registered stage method (see module docstring)."""
 
     METHOD: ClassVar[str] = "chain"
     NAME: ClassVar[str] = "chain"
 
-    methods: tuple[str, ...] = option(("es", "grpo"), "stages in order, comma-separated: es,grpo (ES->GRPO) or "
-                                      "grpo,es")
+    methods: tuple[str, ...] = option(("es", "grpo"), "stages in order, comma-separated: es,grpo (ES->GRPO), "
+                                      "grpo,es, or any sequence of stage methods")
     model: str = option("tiny", "base model spec of the first stage (tiny, smollm2, HF dir, run dir, .gguf)")
     task: str = option("arith", "task name (deltalens.tasks), for every stage", flags=("-t",))
     data: str | None = option(None, "jsonl file or directory for the gsm8k and jsonl tasks")
@@ -79,30 +81,34 @@ class ChainConfig(Config):
                                         "stages (deltalens.training.budget)")
     fractions: tuple[float, ...] | None = option(None, "budget share of each stage, comma-separated (default: "
                                                  "equal shares)", needs=("budget", NOT_NONE))
-    es: dict = option(None, "ES stage options (ESConfig fields; --es-<field> on the command line)",
-                      default_factory=dict, cli=False)
-    grpo: dict = option(None, "GRPO stage options (GRPOConfig fields; --grpo-<field> on the command line)",
-                        default_factory=dict, cli=False)
+    stage_options: dict = option(None, "each stage method's options: method -> {option: value} (YAML: a mapping "
+                                 "under the method's name, es: {sigma: ...}; --es-<field> on the command line)",
+                                 default_factory=dict, cli=False)
     report_to: str = option("none", REPORT_TO_HELP + "; every stage logs in its own run directory")
 
     def __post_init__(self):
         self.methods = tuple(self.methods)
+        stages = stage_names()
         check([
             (len(self.methods) >= 1, "a chain needs at least one method; set --methods es,grpo"),
-            (all(m in stage_names() for m in self.methods),
-             f"unknown method in --methods {','.join(self.methods)}; use {' and '.join(stage_names())}"),
+            (all(m in stages for m in self.methods),
+             f"unknown method in --methods {','.join(map(str, self.methods))}; use {', '.join(stages)}"),
             (self.fractions is None or len(self.fractions) == len(self.methods),
              f"got {len(self.fractions or ())} budget fractions for {len(self.methods)} stages"),
+            (isinstance(self.stage_options, dict) and all(m in stages for m in self.stage_options),
+             f"stage options are a mapping of stage methods ({', '.join(stages)}) to their options"),
         ])
         if self.budget is not None:
             self.budget = parse_budget(self.budget)
         self.report_to = normalize_report_to(self.report_to)
-        for method in stage_names():
+        checked = {}
+        for method, opts in self.stage_options.items():
             cls = get_method(method).config
-            opts = getattr(self, method)
             if not isinstance(opts, dict):
                 raise DeltalensError(f"{method} stage options must be a mapping of option names to values")
-            setattr(self, method, cls.check_keys(opts, f"{method} stage options"))
+            opts = cls.check_keys(opts, f"{method} stage options")
+            if opts:
+                checked[method] = opts
             owned = sorted(set(opts) & set(CHAIN_OWNED))
             if owned:
                 raise DeltalensError(f"the chain sets {', '.join(owned)} of its {method} stage itself; give "
@@ -113,22 +119,32 @@ class ChainConfig(Config):
             if opts and method not in self.methods:
                 raise DeltalensError(f"{method} stage options given but --methods {','.join(self.methods)} has no "
                                      f"{method} stage")
+        self.stage_options = checked
+
+    def to_dict(self, in_use: bool = False) -> dict:
+        """As Config.to_dict, with each stage method's options under its name (es: {...}), as YAML gives them."""
+        out = super().to_dict(in_use)
+        return {**{k: v for k, v in out.items() if k != "stage_options"}, **self.stage_options}
 
     @classmethod
     def resolve(cls, *, preset=None, yaml=None, given=None, stored=None, source="the config file") -> ChainConfig:
-        """As Config.resolve, with the stage option mappings merged key by key (command line wins)."""
+        """As Config.resolve, with the stage option mappings (under each stage method's name) merged key by key
+        (command line wins)."""
         yaml, given = dict(yaml or {}), dict(given or {})
+        if "stage_options" in yaml or "stage_options" in given:
+            raise DeltalensError(f"{source}: give each stage's options under its method's name "
+                                 f"({', '.join(f'{m}:' for m in stage_names())}), not stage_options")
         for m in stage_names():  # before merging: `{**[1]}` would be a TypeError
             if not isinstance(yaml.get(m) or {}, dict):
                 raise DeltalensError(f"{source}: {m} must be a mapping of {m} options")
         stages = {m: {**(yaml.pop(m, None) or {}), **(given.pop(m, None) or {})} for m in stage_names()}
         cfg = super().resolve(preset=None, yaml=yaml, given=given, stored=stored, source=source)
-        return dataclasses.replace(cfg, **stages)
+        return dataclasses.replace(cfg, stage_options={m: opts for m, opts in stages.items() if opts})
 
     @classmethod
     def run_options(cls, d: dict, source: str = "config", *, budget_given: bool = False) -> dict:
-        """A chain run's config.json as ChainConfig options (a mapping for `resolve(yaml=...)`), with
-        `es`/`grpo` holding the options of the method's stages (see module docstring); start the chain on
+        """A chain run's config.json as ChainConfig options (a mapping for `resolve(yaml=...)`), with each
+        stage method's name holding the options of its stages (see module docstring); start the chain on
         the `paper` preset, so nothing but these options decides it. `budget_given`: the command line gives a
         new budget, which replaces the stored counts as well."""
         if not isinstance(d, dict):
@@ -173,9 +189,9 @@ class ChainConfig(Config):
     def stage_presets(self, preset: str) -> dict:
         """method -> the stage's config: the preset plus the stage options (the chain then points it at
         its model, task and previous stage, and sets its count from the budget: `stage_configs`)."""
-        return {m: get_method(m).config.resolve(preset=preset, given={**getattr(self, m), "report_to": self.report_to})
-                for m in stage_names()
-                if m in self.methods}
+        return {m: get_method(m).config.resolve(preset=preset, given={**self.stage_options.get(m, {}),
+                                                                      "report_to": self.report_to})
+                for m in dict.fromkeys(self.methods)}
 
 
 def stage_dirs(methods: Sequence[str]) -> list[str]:
@@ -200,10 +216,12 @@ def stage_configs(out: Path, methods: Sequence[str], model: str, task: str, conf
     out_cfgs = []
     for i, method in enumerate(methods):
         if method not in stage_names():
-            raise DeltalensError(f"unknown method {method!r} in the chain; use {' and '.join(stage_names())}")
+            raise DeltalensError(f"unknown method {method!r} in the chain; use {', '.join(stage_names())}")
         m = get_method(method)
         cfg = configs.get(method) or _default_config(method, model)
-        point = {"model": model, "task": task, "budget": None, **task_fields}
+        point = {"model": model, "task": task, **task_fields}
+        if "budget" in {f.name for f in dataclasses.fields(cfg)}:  # the chain's budget decides the count
+            point["budget"] = None
         if i > 0:  # ES starts from the previous stage's weights as its model, GRPO through init_from
             point[m.start_from] = str((out / dirs[i - 1]).resolve())
         cfg = dataclasses.replace(cfg, **point)
@@ -242,40 +260,40 @@ def _stage_config(d: dict):
 def train_chain(out: str | Path, methods: Sequence[str] = ("es", "grpo"), *, model: str = "tiny",
                 task: str = "arith", data: str | None = None, question_field: str = "question",
                 answer_field: str = "answer", budget=None, fractions: Sequence[float] | None = None,
-                es_config=None, grpo_config=None, resume: bool = False, overwrite: bool = False,
-                progress: Callable[[int, int, dict | None], None] | None = None) -> Path:
+                configs: dict | None = None, es_config=None, grpo_config=None, resume: bool = False,
+                overwrite: bool = False, progress: Callable[[int, int, dict | None], None] | None = None) -> Path:
     """Train `methods` one after another into `out` (see module docstring); returns `out`.
 
-    es_config / grpo_config: the stages' hyperparameters (ESConfig / GRPOConfig; None = the preset
-    for `model`); their model/task/init_from are set here, and with `budget` (units, or '2e6'/'1.5M')
-    their iterations/steps too, split by `fractions` (default equal shares). On `resume` with no configs
-    given, the stored stage configs are used. progress(done, total, row) counts iterations/steps over
-    all stages; rows carry "stage".
+    configs: method -> its stages' hyperparameters (that method's config; a method missing = the preset
+    for `model`); es_config / grpo_config: the same for es and grpo. Their model/task/init_from are set
+    here, and with `budget` (units, or '2e6'/'1.5M') their iterations/steps too, split by `fractions`
+    (default equal shares). On `resume` with no configs given, the stored stage configs are used.
+    progress(done, total, row) counts iterations/steps over all stages; rows carry "stage".
     """
     out = Path(out)
     methods = list(methods)
     if not methods:
         raise DeltalensError("a chain needs at least one method")
+    configs = {**(configs or {}), **{m: c for m, c in (("es", es_config), ("grpo", grpo_config)) if c is not None}}
     run = RunDir(out)
     cfgs = None
     if not resume:  # refused before the run directory is created: a bad task, data, model or budget leaves none
         run.check_create(overwrite)
-        for c in (es_config, grpo_config):
-            require(c.report_to if c is not None else "none")  # a missing tracker package: before any work
+        for c in configs.values():
+            require(c.report_to)  # a missing tracker package: before any work
         get_task(task, data=data, question_field=question_field, answer_field=answer_field).test()
         resolve(model)
-        cfgs = stage_configs(out, methods, model, task, {"es": es_config, "grpo": grpo_config},
+        cfgs = stage_configs(out, methods, model, task, configs,
                              {"data": data, "question_field": question_field, "answer_field": answer_field}, budget,
                              fractions)
     with run.writing():  # one writer at a time (each stage also locks its own directory)
         return _train_chain(run, methods, model=model, task=task, data=data, question_field=question_field,
-                            answer_field=answer_field, budget=budget, fractions=fractions, es_config=es_config,
-                            grpo_config=grpo_config, resume=resume, overwrite=overwrite, progress=progress,
-                            cfgs=cfgs)
+                            answer_field=answer_field, budget=budget, fractions=fractions, configs=configs,
+                            resume=resume, overwrite=overwrite, progress=progress, cfgs=cfgs)
 
 
 def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question_field, answer_field, budget,
-                 fractions, es_config, grpo_config, resume, overwrite, progress, cfgs) -> Path:
+                 fractions, configs, resume, overwrite, progress, cfgs) -> Path:
     """train_chain under the chain's writer lock; `cfgs`: a new chain's stage configs (None on resume)."""
     out = run.path
     dirs = stage_dirs(methods)
@@ -285,12 +303,11 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
         if stored.get("methods") != methods:
             raise DeltalensError(f"{out} is a chain of {stored.get('methods')}, not {methods}; resume it with "
                                  "`deltalens train resume`")
-        if es_config is None and grpo_config is None:
+        if not configs:
             cfgs = [_stage_config(s) for s in stored["stages"]]
         else:
-            cfgs = stage_configs(out, methods, stored["model"], stored["task"],
-                                 {"es": es_config, "grpo": grpo_config}, task_fields, stored.get("budget"),
-                                 stored.get("fractions"))
+            cfgs = stage_configs(out, methods, stored["model"], stored["task"], configs, task_fields,
+                                 stored.get("budget"), stored.get("fractions"))
     top = {"method": chain_name(methods), "methods": methods, "model": model, "task": task, **task_fields,
            "budget": budget, **({"fractions": list(fractions) if fractions is not None else None}
                                 if budget is not None else {}),  # options in use only (deltalens.config)
@@ -332,8 +349,7 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
 def train_chain_config(config: ChainConfig, out: str | Path, *, preset: str, overwrite: bool = False,
                        progress=None) -> Path:
     """Start the chain a `ChainConfig` describes (stage presets: `preset`)."""
-    stages = config.stage_presets(preset)
     return train_chain(out, config.methods, model=config.model, task=config.task, data=config.data,
                        question_field=config.question_field, answer_field=config.answer_field,
-                       budget=config.budget, fractions=config.fractions, es_config=stages.get("es"),
-                       grpo_config=stages.get("grpo"), overwrite=overwrite, progress=progress)
+                       budget=config.budget, fractions=config.fractions, configs=config.stage_presets(preset),
+                       overwrite=overwrite, progress=progress)

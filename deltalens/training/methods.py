@@ -10,13 +10,16 @@ chains, sweeps, studies and `eval --trained-on` look a method up here instead of
     m.problems(task, cfg, n)       the training problems of its first n iterations/steps, in order
     m.start_from                   the field a chain points at the previous stage's run: ES its `model`,
                                    GRPO `init_from` (its KL reference is then that run too)
+    m.stage                        a chain may hold it (True unless registered otherwise)
 
 A new method is one file: a Config subclass (METHOD = its name, COUNT = the field its runs count, the
 fields model, task, data, question_field, answer_field, seed, chat_template, report_to, a `tiny` and a
 `paper` preset) and a trainer that writes a run directory (`deltalens.io.runs`, `deltalens.training.run`),
 then `register(Method(...))`. Its name is then known to the torch-free names (`deltalens.methods`), so
 analysis documents recognise its runs; `deltalens train` and `sweep` build their subcommands from the
-methods registered when the CLI loads. A chain holds only the methods ChainConfig has a stage field for.
+methods registered when the CLI loads (and `train chain` its `--NAME-<field>` stage options). A chain
+(`deltalens.training.chain`) may hold it as a stage: it points the stage at its model, task and data
+(STAGE_FIELDS), its tracker, and the previous stage's run (`start_from`); `stage=False` keeps it out.
 
 The trainers are imported when a run trains, not here: the configs load without the trainers, so the CLI
 builds its options from this registry cheaply (as `deltalens.training.es` promises).
@@ -48,6 +51,7 @@ class Method:
     problems: Callable[..., list]  # (task, config, n) -> the problems of the first n iterations/steps
     start_from: str = "model"  # the field a chain stage after the first points at the previous stage's run
     summary: str = ""  # one line for `deltalens train NAME --help`
+    stage: bool = True  # a chain may hold it (its config then has STAGE_FIELDS)
 
     @property
     def count(self) -> str:
@@ -59,6 +63,8 @@ class Method:
 
 
 REGISTRY: dict[str, Method] = {}
+# the fields a chain sets on each of its stages (besides `start_from`): a stage method's config has them
+STAGE_FIELDS = ("model", "task", "data", "question_field", "answer_field", "report_to")
 
 
 def register(method: Method) -> Method:
@@ -70,13 +76,17 @@ def register(method: Method) -> Method:
     if cfg.METHOD != method.name or not cfg.COUNT or method.start_from not in cfg.types():
         raise DeltalensError(f"method {method.name!r}: its config must have METHOD = {method.name!r}, a COUNT "
                              f"field and a {method.start_from!r} field")
-    names.declare(method.name)
+    missing = [f for f in STAGE_FIELDS if f not in cfg.types()] if method.stage else []
+    if missing:
+        raise DeltalensError(f"method {method.name!r}: a chain stage's config needs the fields {', '.join(missing)} "
+                             "(or register it with stage=False)")
+    names.declare(method.name, stage=method.stage)
     REGISTRY[method.name] = method
     return method
 
 
 def unregister(name: str) -> None:
-    """Remove a method registered later (tests undo what they register); the chain stages stay."""
+    """Remove a method registered later (tests undo what they register); es and grpo stay."""
     names.forget(name)
     REGISTRY.pop(name, None)
 

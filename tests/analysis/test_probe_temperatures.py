@@ -139,8 +139,16 @@ def test_refused_in_one_line_before_any_work(monkeypatch, tmp_path, args, messag
     assert not (tmp_path / "p.json").exists()
 
 
-def test_the_clis_default_text_is_the_probes_default():
-    from deltalens.cli.probe import PROBE_TEMPERATURES_TEXT, ProbeOptions
+def test_the_clis_options_and_default_text_come_from_probe_config():
+    from deltalens.cli import options as o
 
-    assert tuple(float(x) for x in PROBE_TEMPERATURES_TEXT.split(",")) == PROBE_TEMPERATURES
-    assert ProbeOptions().temperature is None and ProbeOptions().temperatures is None  # neither: the default
+    from deltalens.analysis.options import ProbeConfig
+
+    assert ProbeConfig().temperature is None and ProbeConfig().temperatures is None  # neither: the default
+    assert probe_mod.PROBE_TEMPERATURES is PROBE_TEMPERATURES  # one constant, torch-free in analysis.options
+    params = {p.name: p for p in o.config_params(ProbeConfig)}
+    help_text = params["temperatures"].annotation.__metadata__[0].help
+    assert help_text.endswith("\\[default: 0.6,1.0]") and "[default" not in params["temperature"].annotation.__metadata__[0].help
+    assert ProbeConfig.resolve(yaml={"temperatures": "0.6,1.0"}).temperatures == (0.6, 1.0)
+    with pytest.raises(DeltalensError, match="give --temperature or --temperatures, not both"):
+        ProbeConfig.resolve(given={"temperature": 0.5, "temperatures": "0.6"})

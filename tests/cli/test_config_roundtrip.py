@@ -82,7 +82,7 @@ def test_a_chain_config_reproduces_the_chain(tmp_path, base_checksum):
     assert (stages["es"].iterations, stages["grpo"].steps, stages["es"].population, cfg.budget) == (1, 1, 4, None)
     cfg, preset = make_config("chain", yaml_path=tmp_path / "nobudget.json", given={"budget": 160.0})
     stages = cfg.stage_presets(preset)
-    assert cfg.budget == 160.0 and stages["es"].population == 4 and "iterations" not in cfg.es
+    assert cfg.budget == 160.0 and stages["es"].population == 4 and "iterations" not in cfg.stage_options["es"]
 
 
 def old_run_config(cls, **kw) -> dict:

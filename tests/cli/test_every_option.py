@@ -346,7 +346,7 @@ ROUTES: dict[str, dict[str, Route]] = {
     "study": {
         "--out": R(check=lambda s, f: Path(s["run_study"].args[1]) == f["out"] / "study"),
         "--config": R("--config", "{yaml:samples: 4\nk: [1, 4]\nseeds: [5]}",
-                      check=lambda s, f: (s["run_study"].args[0].samples, s["run_study"].args[0].ks,
+                      check=lambda s, f: (s["run_study"].args[0].samples, s["run_study"].args[0].k,
                                           s["run_study"].args[0].seeds) == (4, (1, 4), (5,))),
     },
     "report": {
@@ -383,7 +383,8 @@ ROUTES: dict[str, dict[str, Route]] = {
     },
     "sparsify": {
         "--base": R("--base", "{weights}", "--arch", "tiny",
-                    check=lambda s, f: s["sparsify_analysis"].args[0] == str(f["weights"])),
+                    check=lambda s, f: str(s["sparsify_analysis"].args[0]) == str(f["weights"])  # resolved once
+                    and s["sparsify_analysis"].args[0].arch.spec == "tiny"),
         "--arch": R("--base", "{weights}", "--arch", "tiny", check=lambda s, f: s[EV].args[0] == "tiny"),
         "--thresholds": R("--thresholds", "1e-3", check=lambda s, f: s["sparsify_analysis"].args[2] == [1e-3]),
         "--sparsity": R("--sparsity", "0.7", check=kw("sparsify_analysis", "sparsities", [0.7])),
@@ -421,7 +422,7 @@ ROUTES: dict[str, dict[str, Route]] = {
                             check=lambda s, f: s[DA].args[1].test(1)[0].answer == "2"),
         "--dtype": R("--dtype", "bf16", check=kw(DA, "dtype", "bf16")),
         # the model is a bare weights file here (MODEL_FOR): --arch is its architecture
-        "--arch": R("--arch", "tiny", check=kw(DA, "config", "tiny")),
+        "--arch": R("--arch", "tiny", check=lambda s, f: str(s.kw(DA, "config")) == "tiny"),  # resolved once
         "--json": R("--json", "{out}/v.json", check=wrote("v.json")),
         "--chat-template": R("--chat-template", "on", check=kw(DA, "chat_template", "on")),
         "--compute-dtype": R("--compute-dtype", "bf16", refused="not yet supported by diversity"),
@@ -669,7 +670,7 @@ def test_study_config_file(seen, files, tmp_path):
     r = run_cli([*base, "--config", y, "--samples", "4"])
     assert r.exit_code == 0, r.output
     cfg = seen["run_study"].args[0]
-    assert (cfg.ks, cfg.samples, cfg.temperatures, cfg.model) == ((1, 2), 4, (0.6, 1.0), "tiny")
+    assert (cfg.k, cfg.samples, cfg.temperatures, cfg.model) == ((1, 2), 4, (0.6, 1.0), "tiny")
     y.write_text("k: [1]\nks: [1]\n")
     assert "give k or ks (its old name), not both" in _one_line(run_cli([*base, "--config", y]))
     y.write_text("model: smollm2\n")
@@ -708,9 +709,15 @@ def test_seeds_are_parsed_as_one_option(command, seen, files, tmp_path):
 
 
 def test_old_names_still_work(seen, files, tmp_path):
-    """--ks (study), --output (report, render) and a report YAML's `output` key: accepted as the old names."""
+    """--ks (study), --output (report, render) and a report YAML's `output` key: accepted as the old names of the
+    fields k and out (`option(old=...)`), in YAML and in Python too."""
+    from deltalens.analysis.options import ReportConfig
+    from deltalens.study.config import StudyConfig
+
     r = run_cli([*_args(BASE_ARGS["study"], files, tmp_path), "--ks", "1,4", "--samples", "4"])
-    assert r.exit_code == 0 and seen["run_study"].args[0].ks == (1, 4), r.output
+    assert r.exit_code == 0 and seen["run_study"].args[0].k == (1, 4), r.output
+    assert StudyConfig.resolve(yaml={"ks": [1, 4]}).k == (1, 4) and ReportConfig.resolve(yaml={"output": "d"}).out == "d"
+    assert StudyConfig.field("k").metadata["old"] == "ks" and ReportConfig.field("out").metadata["old"] == "output"
     r = run_cli(["report", "tiny", "tiny", "--output", tmp_path / "rep"])
     assert r.exit_code == 0 and (tmp_path / "rep" / "report.html").is_file(), r.output
     r = run_cli(["render", files["analysis"], "--output", tmp_path / "r.html"])
@@ -793,11 +800,9 @@ def _fields(cls: str) -> set[str]:
 
 
 def _flag(name: str, cls: str) -> str:
-    """The main flag of a generated parameter: its field's command-line name (RENAMED), stage-prefixed."""
-    from deltalens.cli import options as o
-
+    """The main flag of a generated parameter: its field's name, stage-prefixed."""
     prefix, field = _split(name, cls)
-    return flag_name(o.cli_name(_cls(cls), field), prefix)
+    return flag_name(field, prefix)
 
 
 GEN = _generated()

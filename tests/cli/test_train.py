@@ -123,6 +123,7 @@ def captured(monkeypatch, tmp_path):
 
     def chain(out, methods, **kw):
         seen.update(kw, methods=methods)
+        seen.update({f"{m}_config": c for m, c in kw["configs"].items()})  # es_config, grpo_config
         return out
 
     for name in ("es", "grpo"):

@@ -138,7 +138,7 @@ def test_claim6_share_of_the_reference_gain_with_its_fieller_interval():
     """A population whose per-problem gain is the reference's plus a constant c: A = G + c, and every
     (co)variance of the gains is the same v = Var(g) / P, so Fieller's limits solve A - ρG = -+ t s (1 - ρ):
     ρ = (A -+ t s) / (G -+ t s) (in either order), s = sqrt(v). Here Var(g) = .005 (SD of .4 .4 .3 .5 .4), P = 5, t = t_4."""
-    cfg = _cfg(ks=(1, 2), samples=N, population_sizes=(4, 8, 16))
+    cfg = _cfg(k=(1, 2), samples=N, population_sizes=(4, 8, 16))
     up = [c + 2 for c in REF]  # gains + .1: share (.4 + .1) / .4 = 1.25
     down = [c - 5 for c in REF]  # gains - .25: share .15 / .4 = .375
     evals = {"es": [_ev(REF)], "es-n4": [_ev(down)], "es-n16": [_ev(up)]}  # es-n8 not evaluated: no check
@@ -161,7 +161,7 @@ def test_claim6_share_of_the_reference_gain_with_its_fieller_interval():
 
 
 def test_claim6_no_reference_gain_is_untestable():
-    cfg = _cfg(ks=(1, 2), samples=N, population_sizes=(4,))
+    cfg = _cfg(k=(1, 2), samples=N, population_sizes=(4,))
     (c,) = population_checks(cfg, [_ev(BASE)], {"es": [_ev(BASE)], "es-n4": [_ev(REF)]}, 1000)
     assert math.isnan(c["estimate"]) and math.isnan(c["ci_low"]) and c["verdict"] == "unclear"
 
@@ -208,7 +208,7 @@ def _claim7(cfg, evals):
 def test_claim7_compares_two_point_with_n16_not_the_presets_n():
     # Pass@1: two-point = es-n16 + .1 on every problem, the N=32 es run = two-point + .2 on every problem
     two, n16, es = [c + 2 for c in REF], REF, [c + 6 for c in REF]
-    cfg = _cfg(ks=(1, 2), samples=N, two_point=True)
+    cfg = _cfg(k=(1, 2), samples=N, two_point=True)
     by = _claim7(cfg, {"es": [_ev(es)], "es-n16": [_ev(n16)], "es-2pt": [_ev(two)]})
     assert sorted(by) == ["pass@1", "pass@2"]
     c = by["pass@1"]
@@ -223,7 +223,7 @@ def test_claim7_compares_two_point_with_n16_not_the_presets_n():
 
 def test_claim7_on_a_preset_of_n16_compares_with_es():
     two, es = [c + 2 for c in REF], REF
-    cfg = _cfg(ks=(1, 2), samples=N, two_point=True, preset="smollm2")
+    cfg = _cfg(k=(1, 2), samples=N, two_point=True, preset="smollm2")
     c = _claim7(cfg, {"es": [_ev(es)], "es-2pt": [_ev(two)]})["pass@1"]
     assert c["reference"] == "es" and "minus es (N=16)" in c["check"] and c["estimate"] == pytest.approx(0.1)
 
@@ -231,6 +231,6 @@ def test_claim7_on_a_preset_of_n16_compares_with_es():
 def test_claim7_without_the_reference_evaluated_is_refused():
     from deltalens.errors import DeltalensError
 
-    cfg = _cfg(ks=(1, 2), samples=N, two_point=True)
+    cfg = _cfg(k=(1, 2), samples=N, two_point=True)
     with pytest.raises(DeltalensError, match="compares the two-point runs with es-n16"):
         population_checks(cfg, [_ev(BASE)], {"es": [_ev(REF)], "es-2pt": [_ev(REF)]}, 1000)

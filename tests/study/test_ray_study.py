@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster, pytest.mark.skipif(
     reason="needs run_study(executor=...)")]
 
 # the smallest study of tests/test_study.py (SMALL there): 2 methods x 2 seeds, every measurement tiny
-SMALL = {"methods": ("es", "grpo"), "seeds": (0, 1), "budget": 4096, "limit": 6, "samples": 4, "ks": (1, 4),
+SMALL = {"methods": ("es", "grpo"), "seeds": (0, 1), "budget": 4096, "limit": 6, "samples": 4, "k": (1, 4),
          "base_seeds": 2, "sparsity": (0.9,), "sparsify_samples": 2, "diversity_members": 2, "diversity_prompts": 2,
          "entropy_prompts": 3, "resamples": 100}
 VOLATILE = ("created", "timing", "seconds")  # when the document was written; how long things took

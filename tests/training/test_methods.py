@@ -1,7 +1,8 @@
 """The method registry (`deltalens.training.methods`, names in `deltalens.methods`): it lists es, grpo and
 their chains with their config classes and budget units, and a third method registered in this file only
 (a toy that moves every weight by a fixed step) trains through the launch path the CLI uses, resumes,
-re-runs from its config.json, is sweepable, and is recognised by `--trained-on` and analysis documents."""
+re-runs from its config.json, is a chain stage (3+ stages resume too), is sweepable, and is recognised by
+`--trained-on` and analysis documents."""
 
 from __future__ import annotations
 
@@ -47,8 +48,13 @@ def test_the_registry_lists_es_grpo_and_their_chains():
     es, gr = methods.get("es"), methods.get("grpo")
     assert (es.config, es.count, es.start_from) == (ESConfig, "iterations", "model")
     assert (gr.config, gr.count, gr.start_from) == (GRPOConfig, "steps", "init_from")
-    # a chain holds a method only with a stage-options field of its name
-    assert {f.name for f in dataclasses.fields(ChainConfig) if f.type == "dict"} == set(names.stage_names())
+    # a chain's stage options: one mapping, keyed by stage method (YAML: under the method's name)
+    assert [f.name for f in dataclasses.fields(ChainConfig) if f.type == "dict"] == ["stage_options"]
+    cfg = ChainConfig.resolve(yaml={"es": {"sigma": 0.01}}, given={"grpo": {"learning_rate": 1e-5}})
+    assert cfg.stage_options == {"es": {"sigma": 0.01}, "grpo": {"learning_rate": 1e-5}}
+    assert cfg.to_dict()["es"] == {"sigma": 0.01} and "stage_options" not in cfg.to_dict()
+    with pytest.raises(DeltalensError, match="under its method's name"):
+        ChainConfig.resolve(yaml={"stage_options": {"es": {}}})
     assert launch.commands() == ("es", "grpo", "chain")
     assert methods.find("es-grpo") is None and methods.find(["es"]) is None
     with pytest.raises(DeltalensError, match=r"unknown method 'ppo'; use one of es, grpo$"):
@@ -75,7 +81,7 @@ def test_register_refuses_what_the_seam_cannot_hold():
     for bad in ("a-b", "chain", "resume", "Es", ""):
         with pytest.raises(DeltalensError, match="a method name is"):
             names.declare(bad)
-    with pytest.raises(DeltalensError, match="chain stage"):
+    with pytest.raises(DeltalensError, match="built-in method and chain stage"):
         methods.unregister("es")
     assert names.names() == ("es", "grpo")
 
@@ -144,7 +150,7 @@ def _weights(spec) -> dict:
 
 
 def test_a_third_method_trains_resumes_and_reruns_through_the_launch_path(toy, tmp_path):
-    assert names.names() == ("es", "grpo", "step") and names.stage_names() == ("es", "grpo")
+    assert names.names() == names.stage_names() == ("es", "grpo", "step")
     assert launch.commands() == ("es", "grpo", "step", "chain")
     spec = tiny_spec()
     out = tmp_path / "run"
@@ -175,9 +181,47 @@ def test_a_third_method_trains_resumes_and_reruns_through_the_launch_path(toy, t
         launch.start("es", out=tmp_path / "x", yaml_path=out / "config.json")
     assert not (tmp_path / "x").exists()
 
-    # a chain holds only its stage methods
-    with pytest.raises(DeltalensError, match="unknown method in --methods es,step; use es and grpo"):
-        ChainConfig(methods=("es", "step"))
+    # a chain holds only stage methods
+    with pytest.raises(DeltalensError, match="unknown method in --methods es,ppo; use es, grpo, step$"):
+        ChainConfig(methods=("es", "ppo"))
+
+
+def test_a_third_method_is_a_chain_stage_and_a_chain_of_three_resumes(toy, tmp_path):
+    spec, out = tiny_spec(), tmp_path / "chain"
+    given = {"methods": ("step", "step", "step"), "model": spec, "step": {"steps": 2, "size": 1e-3}}
+
+    class Killed(Exception):
+        pass
+
+    def kill_in_stage_3(done, total, row):
+        if done == 5:  # the third stage's first step: logged, nothing saved yet
+            raise Killed
+
+    with pytest.raises(Killed):
+        launch.start("chain", out=out, given=given, progress=kill_in_stage_3)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["method"] == "step-step-step" and [s["dir"] for s in conf["stages"]] == ["1-step", "2-step", "3-step"]
+    assert conf["stages"][1]["config"]["model"] == str((out / "1-step").resolve())  # start_from: the previous run
+    assert launch.resume_run(out) == out  # `deltalens train resume` takes a chain of three stages
+    base, w = _weights(spec), _weights(out)
+    assert all(torch.allclose(w[k], base[k] + 6e-3, atol=1e-6) for k in base)  # 3 stages x 2 fixed steps
+    rows = RunDir(out).metrics()  # (the toy logs the killed step again when it resumes)
+    assert [r["stage_index"] for r in rows][:4] == [0, 0, 1, 1] and rows[-1]["iteration"] == 6
+    assert model_entry("c", out)["method"] == "step-step-step"
+    assert len(trained_problems(out)[1]) == 3 * 2 * 2
+
+    # its config.json is a valid --config: the same chain again
+    again = launch.start("chain", out=tmp_path / "again", yaml_path=out / "config.json")
+    assert all(torch.equal(w[k], v) for k, v in _weights(again).items())
+
+    # a chain of a built-in method and the third one: ES's final weights are where the step stage starts
+    mixed = launch.start("chain", out=tmp_path / "mixed", given={
+        "methods": ("es", "step"), "model": spec, "task": "arith",
+        "es": {"iterations": 1, "population": 2, "prompts_per_iteration": 2, "max_new_tokens": 8, "eval_every": 0},
+        "step": {"steps": 1, "size": 1e-3}})
+    es_w, end = _weights(mixed / "es"), _weights(mixed)
+    assert all(torch.allclose(end[k], es_w[k] + 1e-3, atol=1e-6) for k in es_w)
+    assert RunDir(mixed).method() == "es-step" and names.chain_stages("es-step") == ("es", "step")
 
 
 def test_a_third_method_is_sweepable(toy, tmp_path):

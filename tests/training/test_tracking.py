@@ -127,7 +127,14 @@ def test_chain_study_and_sweep_hand_report_to_to_every_run(tmp_path):
     stages = ChainConfig(report_to="tensorboard").stage_presets("tiny")
     assert {m: c.report_to for m, c in stages.items()} == {"es": "tensorboard", "grpo": "tensorboard"}
     with pytest.raises(DeltalensError, match="the chain sets report_to of its es stage itself"):
-        ChainConfig(es={"report_to": "wandb"})
+        ChainConfig(stage_options={"es": {"report_to": "wandb"}})
+    # a chain run's config.json records it in its stages; rebuilt from that file (train chain --config), it is kept
+    stored = {"method": "es-grpo", "deltalens_version": "0", "methods": ["es", "grpo"], "model": "tiny",
+              "task": "arith", "stages": [{"method": m, "dir": m, "config": c.to_dict(in_use=True)}
+                                          for m, c in stages.items()]}
+    rebuilt = ChainConfig.resolve(yaml=ChainConfig.run_options(stored))
+    assert rebuilt.report_to == "tensorboard" and {c.report_to for c in rebuilt.stage_presets("paper").values()} \
+        == {"tensorboard"}
     plan = run_plan(StudyConfig(model="tiny", seeds=(0,), report_to="wandb"), tmp_path)
     assert {c.report_to for r in plan for c in r["configs"].values()} == {"wandb"}
     with pytest.raises(DeltalensError, match="fixed for a whole sweep"):

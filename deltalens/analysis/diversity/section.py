@@ -8,10 +8,8 @@ the schema's entry: its JS is the reported estimator, named in `estimator`
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from deltalens.analysis.diversity.divergence import Progress, population_divergence
 from deltalens.analysis.diversity.estimators import ESTIMATOR
@@ -20,7 +18,7 @@ from deltalens.analysis.diversity.sweep import sigma_sweep
 from deltalens.analysis.document import analysis_document, model_entry
 from deltalens.errors import DeltalensError
 from deltalens.io.runs import RunDir
-from deltalens.io.spec import ModelRef, default_labels
+from deltalens.io.spec import ModelRef, default_labels, resolve
 from deltalens.tasks import get_task
 
 
@@ -73,15 +71,15 @@ def diversity_section(model_spec: str | ModelRef, task, *, members: int | None =
     return section
 
 
-def diversity_analysis(model_spec: str, task, *, label: str | None = None, **options) -> dict:
+def diversity_analysis(model_spec: str | ModelRef, task, *, label: str | None = None, **options) -> dict:
     """An analysis.json document (schema_version, base, models, diversity) for one model or ES run.
 
-    base is the run's base model for a run directory, else the model itself; options go to
+    The spec is resolved once (`deltalens.io.spec.resolve`; a `ModelRef` is taken as it is) and the reference
+    passed down. base is the run's base model for a run directory, else the model itself; options go to
     `diversity_section`.
     """
-    label = label or default_labels([model_spec])[0]
-    base = model_spec
-    if RunDir.is_run(model_spec):
-        base = str(json.loads((Path(model_spec) / "config.json").read_text()).get("model", model_spec))
-    section = diversity_section(model_spec, task, **options)
-    return analysis_document(base, [model_entry(label, model_spec)], diversity={label: section})
+    ref = resolve(model_spec)
+    label = label or default_labels([ref.spec])[0]
+    base = ref.spec if ref.run is None else str(RunDir(ref.run).config().get("model", ref.spec))
+    section = diversity_section(ref, task, **options)
+    return analysis_document(base, [model_entry(label, ref)], diversity={label: section})

@@ -373,7 +373,7 @@ def test_study_evaluates_through_vllm_one_engine_per_model(fake_vllm, tmp_path, 
     # that members differ (else z = 0, no update, and the run's weights are the base's)
     monkeypatch.setitem(ESConfig.PRESETS, "paper", {"population": 4, "prompts_per_iteration": 8, "sigma": 0.05,
                                                      "alpha": 0.005, "eval_every": 0})
-    small = {"methods": ("es",), "seeds": (0,), "budget": 128, "limit": 10, "samples": 2, "ks": (1, 2),
+    small = {"methods": ("es",), "seeds": (0,), "budget": 128, "limit": 10, "samples": 2, "k": (1, 2),
              "base_seeds": 2, "temperature": 1e-4, "sparsity": (0.9,), "sparsify_samples": 1,
              "diversity_members": 2, "diversity_prompts": 2, "entropy_prompts": 2, "resamples": 100}
     out = tmp_path / "study"
