@@ -80,6 +80,12 @@ def print_diff(doc: dict) -> None:
             comp = ", ".join(f"{g} {n}" for g, n in d["topk"]["abs"]["composition"].items())
             c.out.print(f"top-{d['topk']['k']} |Δ| by group: {comp or '-'}")
         c.out.print(f"whole-model distance ||θ-θ0||/||θ0|| = {_fmt(d['whole']['rel_l2'], '.4e')}")
+        nc = d.get("norm_convention")
+        if nc:
+            c.out.print(f"norm weights ({nc['model_type']}): stored as w, acting as 1 + w (base mean "
+                        f"{_fmt(nc['base_mean_stored'], '.3g')} stored, {_fmt(nc['base_mean_acting'], '.3g')} acting); "
+                        f"norm rel_l2 {_fmt(nc['rel_l2_stored'], '.2e')} of the stored w, "
+                        f"{_fmt(nc['rel_l2_acting'], '.2e')} of the acting 1 + w")
         for w in d["warnings"]:
             c.console.print(f"[yellow]warning ({c.escape(label)}):[/] {c.escape(w)}", highlight=False)
     for r in doc["ratios"]:

@@ -113,7 +113,7 @@ def test_anchor_without_alias_and_ordinary_config_still_load(tmp_path):
     assert load_yaml(cfg) == {"task": "arith", "sigma": 0.01, "population": 8, "keys": b"hi"}
     cfg.write_text("es: {sigma: 0.02}\ngrpo: {learning_rate: 3.0e-5}\nmethods: [es, grpo]\n")
     config, _ = make_config("chain", yaml_path=cfg)
-    assert config.es == {"sigma": 0.02} and config.methods == ("es", "grpo")
+    assert config.stage_options["es"] == {"sigma": 0.02} and config.methods == ("es", "grpo")
 
 
 def test_coerce_messages_are_bounded_and_built_only_when_bad():

@@ -36,6 +36,9 @@ Departures / choices (not in the paper):
 - Optional (`svd=N`, off by default): per 2-D tensor the top N singular values of ΔW and its
   effective rank exp(H(σ/Σσ)) (Roy & Vetterli 2007), stored as an extra `svd` field of the tensor
   entry.
+- Norm weights of an architecture whose RMSNorm scales by 1 + w (Gemma: `ONE_PLUS_W_NORMS`) are taken as
+  stored (w, as transformers holds them; a GGUF's 1 + w is read back as w); the diff entry's
+  `norm_convention` gives the norm group's rel_l2 against the acting scale 1 + w beside it.
 - A diff needs no architecture, but a bare weights file (.pt, a lone .safetensors) carries no config.json,
   so whether its embedding and lm_head are one tied parameter (an HF file that omits lm_head.weight)
   is unknown from the file; `arch=` (the command's `--arch`) lends such files its config.json.
@@ -73,6 +76,8 @@ LANES = 16        # |Δ| top-k: a chunk viewed as LANES rows, a max per column (
 GROUPED_MIN = 1 << 14   # chunks of fewer coordinates search both top-k lists over the whole chunk
 DENSE = 1 / 16    # ... as does the relative list where more than this share of a chunk passes its filter
 METRIC_KEYS = ("n", "l2", "base_l2", "rel_l2", "max_abs", "mean_abs", "frac_changed", "frac_above_tol")
+# RMSNorm as x * (1 + w): these architectures (config model_type) store w, and 1 + w is the scale that acts
+ONE_PLUS_W_NORMS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
 
 # ----------------------------------------------------------------------------------------------
 # parameter groups
@@ -650,12 +655,14 @@ class _Reduced:
     nonfinite: list
     skipped_int: list
     zero_base: int
+    acting_sq: float = 0.0  # Σ (1 + θ0)² over the norm group's finite coordinates, for a 1 + w architecture
 
 
 def _reduce(base: TensorSource, ckpt: TensorSource, jobs, n_pairs: int, tol: float, tops, svd: int,
-            streams: bool, progress) -> _Reduced:
+            streams: bool, progress, one_plus_w: bool = False) -> _Reduced:
     """Step 3: stream the jobs (read ahead in a background thread, `_prefetched`) and reduce each tensor
-    pair piece by piece (`tensor_sums`) into its entry and the group / layer / whole sums."""
+    pair piece by piece (`tensor_sums`) into its entry and the group / layer / whole sums (and, with
+    `one_plus_w`, Σ (1 + θ0)² over the norm weights: `norm_convention`)."""
     out = _Reduced(Sums(), {}, {}, [], Counter(), [], [], 0)
 
     def load(job, region):
@@ -688,6 +695,9 @@ def _reduce(base: TensorSource, ckpt: TensorSource, jobs, n_pairs: int, tol: flo
             if lo == 0:
                 acc, bad = Sums(), [0, 0]
             s, bad_b, bad_c, zb = tensor_sums(b, c, tol, tops, tid, offset=lo, work=work)
+            if one_plus_w and param_group(name)[0] == "norm":
+                acting = b.double() + 1
+                out.acting_sq += float(acting[acting.isfinite()].square().sum())
             acc += s
             bad[0] += bad_b
             bad[1] += bad_c
@@ -757,14 +767,16 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
     streams = base.partial_reads and ckpt.partial_reads
     jobs, shape_bad, dtype_bad = _read_jobs(base, ckpt, matched.pairs, svd, streams)
     tops = (TopK(topk), TopK(topk))
-    red = _reduce(base, ckpt, jobs, len(matched.pairs), tol, tops, svd, streams, progress)
+    model_type = norm_model_type(base.config)
+    red = _reduce(base, ckpt, jobs, len(matched.pairs), tol, tops, svd, streams, progress,
+                  one_plus_w=model_type in ONE_PLUS_W_NORMS)
     warnings = _warnings(base, ckpt, matched, shape_bad, dtype_bad, red, topk, strict)
 
     def order(key):
         layer, group = key
         return (layer is None, layer if layer is not None else 0, GROUPS.index(group))
 
-    return {
+    out = {
         "dtype": "+".join(d for d, _ in red.dtypes.most_common()) or None,
         "n_params": red.whole.n,
         "tol": tol,
@@ -777,6 +789,30 @@ def diff_sources(base: TensorSource, ckpt: TensorSource, *, tol: float = 1e-6, t
         "tied": ckpt.tied(),
         "warnings": warnings,
     }
+    if model_type in ONE_PLUS_W_NORMS and "norm" in red.groups:
+        out["norm_convention"] = norm_convention(model_type, red.groups["norm"], red.acting_sq)
+    return out
+
+
+def norm_model_type(config: dict) -> str | None:
+    """The architecture's model_type (a multimodal config's text_config's where it has one)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return text.get("model_type") or config.get("model_type")
+
+
+def norm_convention(model_type: str, norm: Sums, acting_sq: float) -> dict:
+    """The norm group of an architecture whose RMSNorm scales by 1 + w: the stored w (what every other
+    figure of the diff uses, as transformers holds it) beside the acting scale 1 + w. Δ is the same on
+    both; the base it is relative to is not: rel_l2 over ||1 + θ0|| is how much the norms' effect moved.
+    Means of θ0 from the sums: Σθ0 = (Σ(1 + θ0)² - Σθ0² - n) / 2."""
+    n, l2 = norm.n, math.sqrt(norm.sq)
+    acting_l2 = math.sqrt(acting_sq)
+    mean = (acting_sq - norm.base_sq - n) / 2 / n if n else None
+    return {"model_type": model_type, "stored": "w", "acting": "1 + w", "n": n, "l2": l2,
+            "base_l2_stored": math.sqrt(norm.base_sq), "base_l2_acting": acting_l2,
+            "rel_l2_stored": l2 / math.sqrt(norm.base_sq) if norm.base_sq > 0 else None,
+            "rel_l2_acting": l2 / acting_l2 if acting_l2 > 0 else None,
+            "base_mean_stored": mean, "base_mean_acting": None if mean is None else mean + 1}
 
 
 def rel_l2_ratios(diff: dict) -> list[dict]:

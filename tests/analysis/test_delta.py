@@ -466,3 +466,47 @@ def test_cli_diff(tmp_path):
     res = runner.invoke(app, ["diff", str(b), str(tmp_path / "bad.safetensors"), "--json", str(tmp_path / "x.json")])
     assert res.exit_code == 2 and "bad.safetensors: tensor" in res.output and "mis-sized" in res.output
     assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("config", [{"model_type": "gemma3"}, {"model_type": "gemma3", "text_config":
+                                                                  {"model_type": "gemma3_text"}}])
+def test_gemma_norms_are_reported_against_the_stored_w_and_the_acting_one_plus_w(config, tmp_path):
+    """Gemma's RMSNorm scales by 1 + w: the diff keeps the stored w everywhere and adds the norm group
+    against the acting scale. Known answer: w0 = (1, 3), Δ = (0.3, 0.4): ||Δ|| = 0.5, ||w0|| = √10,
+    ||1 + w0|| = √20; the base means 2 (stored) and 3 (acting)."""
+    base = {"model.layers.0.input_layernorm.weight": torch.tensor([1.0, 3.0]),
+            "model.layers.0.self_attn.q_proj.weight": torch.ones(2, 2)}
+    ckpt = {"model.layers.0.input_layernorm.weight": torch.tensor([1.3, 3.4]),
+            "model.layers.0.self_attn.q_proj.weight": torch.ones(2, 2)}
+    r = diff_sources(DictSource(base, config=config), DictSource(ckpt, config=config), topk=3)
+    nc = r["norm_convention"]
+    assert nc["model_type"] == (config.get("text_config") or config)["model_type"]
+    assert (nc["stored"], nc["acting"], nc["n"]) == ("w", "1 + w", 2)
+    assert nc["l2"] == pytest.approx(0.5, rel=1e-6)
+    assert nc["rel_l2_stored"] == pytest.approx(0.5 / math.sqrt(10), rel=1e-6)
+    assert nc["rel_l2_acting"] == pytest.approx(0.5 / math.sqrt(20), rel=1e-6)
+    assert (nc["base_mean_stored"], nc["base_mean_acting"]) == (pytest.approx(2.0), pytest.approx(3.0))
+    assert r["groups"]["norm"]["rel_l2"] == pytest.approx(nc["rel_l2_stored"])  # the rest: stored w
+    # the same pair from files, through the document and its schema, and the CLI's line
+    from deltalens.analysis.document import analysis_document
+    doc = analysis_document("base", [], diff={"g": r}, ratios=[])
+    validate(doc)
+    # a Llama (x * w) has no such entry
+    plain = diff_sources(DictSource(base, config={"model_type": "llama"}), DictSource(ckpt), topk=3)
+    assert "norm_convention" not in plain
+
+
+def test_the_diff_command_prints_the_gemma_norm_convention(tmp_path):
+    from deltalens.cli.main import app
+
+    cfg = {"model_type": "gemma3_text", "tie_word_embeddings": False}
+    for name, w in (("base", [1.0, 3.0]), ("ckpt", [1.3, 3.4])):
+        d = tmp_path / name
+        d.mkdir()
+        save_state_dict({"model.layers.0.input_layernorm.weight": torch.tensor(w)}, d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(app, ["diff", str(tmp_path / "base"), str(tmp_path / "ckpt")])
+    assert res.exit_code == 0, res.output
+    out = " ".join(res.output.split())
+    assert "stored as w, acting as 1 + w" in out and "1.58e-01 of the stored w" in out \
+        and "1.12e-01 of the acting 1 + w" in out, out
