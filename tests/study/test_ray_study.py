@@ -1,7 +1,8 @@
 """The tiny study (2 methods x 2 seeds) on a local 2-node Ray cluster (tests/study/conftest.py) gives the
 analysis.json of the same study on one machine (verdicts, intervals, checksums: everything but the time
 it was written), with its training runs on both nodes, in the shared and the copying file modes; and it
-still does when the worker node's raylet is killed while it trains.
+still does when the worker node's raylet is killed while it trains, and when the driver
+(`deltalens study --ray`) is killed and the same command is run again.
 
 Slow (each study takes minutes on 2 cores). Needs `run_study(..., executor=...)`; skipped until it has one.
 Equality needs the same torch thread count on both sides: Ray gives a task of 1 CPU OMP_NUM_THREADS=1,
@@ -132,3 +133,40 @@ def test_tiny_study_survives_the_worker_node_dying_mid_run(fresh_ray_cluster, si
         assert any(r.attempts >= 2 for r in ex.records.values() if r.kind == "train"), ex.records
     finally:
         ray.shutdown()
+
+
+def test_a_killed_driver_leaves_a_study_the_same_command_resumes(ray_cluster, single_machine, tmp_path):
+    """`deltalens study ... --ray ADDRESS` killed with SIGKILL once a training run has written a metrics row
+    (Ray cancels the tasks it owned); the same command then finishes the study, and its analysis.json is the
+    single-machine study's."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "study"
+    args = ["study", tiny_spec(), "--out", str(out), "--ray", ray_cluster.address,
+            "--methods", ",".join(SMALL["methods"]), "--seeds", ",".join(map(str, SMALL["seeds"])),
+            "--budget", str(SMALL["budget"]), "--limit", str(SMALL["limit"]), "--samples", str(SMALL["samples"]),
+            "--k", ",".join(map(str, SMALL["k"])), "--base-seeds", str(SMALL["base_seeds"]),
+            "--sparsity", ",".join(map(str, SMALL["sparsity"])), "--sparsify-samples", str(SMALL["sparsify_samples"]),
+            "--diversity-members", str(SMALL["diversity_members"]),
+            "--diversity-prompts", str(SMALL["diversity_prompts"]),
+            "--entropy-prompts", str(SMALL["entropy_prompts"]), "--resamples", str(SMALL["resamples"])]
+    cmd = [sys.executable, "-c", "import sys; from deltalens.cli.main import main; sys.argv[0] = 'deltalens'; main()",
+           *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DELTALENS_PROGRESS": "0"}
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while first.poll() is None and time.monotonic() < deadline and not list(out.glob("runs/*/metrics.jsonl")):
+        time.sleep(0.5)
+    assert first.poll() is None, first.stderr.read().decode()[-2000:]
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=60)
+    first.stderr.close()
+    assert not (out / "analysis.json").exists()
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    doc = comparable(json.loads((out / "analysis.json").read_text()))
+    assert doc["study"]["config"].pop("ray") == ray_cluster.address  # the CLI records where it ran
+    assert differences(doc, {**single_machine["file"], "study": {**single_machine["file"]["study"], "config": {
+        k: v for k, v in single_machine["file"]["study"]["config"].items() if k != "ray"}}}) == []
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["es-s0", "es-s1", "grpo-s0", "grpo-s1"]
