@@ -694,8 +694,9 @@ def _reduce(base: TensorSource, ckpt: TensorSource, jobs, n_pairs: int, tol: flo
                 continue
             if lo == 0:
                 acc, bad = Sums(), [0, 0]
+                group, layer = param_group(name)
             s, bad_b, bad_c, zb = tensor_sums(b, c, tol, tops, tid, offset=lo, work=work)
-            if one_plus_w and param_group(name)[0] == "norm":
+            if one_plus_w and group == "norm":
                 acting = b.double() + 1
                 out.acting_sq += float(acting[acting.isfinite()].square().sum())
             acc += s
@@ -706,7 +707,6 @@ def _reduce(base: TensorSource, ckpt: TensorSource, jobs, n_pairs: int, tol: flo
                 continue                                       # more pieces of this tensor to come
             if bad[0] or bad[1]:
                 out.nonfinite.append(f"{name} (base {bad[0]}, checkpoint {bad[1]})")
-            group, layer = param_group(name)
             out.whole += acc
             out.groups.setdefault(group, Sums()).__iadd__(acc)
             out.layers.setdefault((layer, group), Sums()).__iadd__(acc)

@@ -25,7 +25,7 @@ from deltalens.evaluation.cost import record_rate
 from deltalens.evaluation.passk import fit_ks, parse_ks, summarize
 from deltalens.generation import HFBackend, SamplingParams, backend_for_spec
 from deltalens.generation.prompts import problem_prompts
-from deltalens.io.models import DTYPES, apply_state_dict, load_model
+from deltalens.io.models import apply_state_dict, dtype_name, load_model
 from deltalens.io.spec import default_labels
 from deltalens.schema import new_document
 from deltalens.tasks import Task, get_task
@@ -75,17 +75,12 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
            "temperature": temperature, "top_p": top_p, "seed": seed, "max_new_tokens": params.max_new_tokens,
            "chat_template": backend.chat}
     if isinstance(backend, HFBackend):  # what generation ran in (`auto` resolved): fp32, bf16, fp16
-        out["compute_dtype"] = _dtype_name(backend.dtype)
+        out["compute_dtype"] = dtype_name(backend.dtype)
     out.update(summarize(task, problems, completions, ks, seed=seed, keep_completions=keep_completions))
     n_chars = sum(len(c) for comps in completions for c in comps)
     out["timing"] = {"generate_s": round(gen_s, 3), "sequences": total,
                      "completion_chars_per_s": round(n_chars / max(gen_s, 1e-9), 1)}
     return out
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    """fp32, bf16, fp16 (`deltalens.io.models.DTYPES`' names), else torch's own."""
-    return next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
 
 
 def _record(model, backend, spec, config, max_new_tokens, sequences, seconds) -> None:
@@ -95,7 +90,7 @@ def _record(model, backend, spec, config, max_new_tokens, sequences, seconds) ->
     dtype, device = "fp32", None
     param = next(model.parameters(), None) if model is not None and hasattr(model, "parameters") else None
     if param is not None:
-        dtype = _dtype_name(param.dtype)
+        dtype = dtype_name(param.dtype)
         device = param.device.type
     record_rate(model=spec if spec is not None else model, backend=name, max_new_tokens=max_new_tokens,
                 sequences=sequences, seconds=seconds, dtype=dtype, device=device, config=config)

@@ -39,6 +39,11 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name (fp32, bf16, fp16) of a torch dtype, else torch's own."""
+    return next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
+
+
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]

@@ -48,7 +48,7 @@ from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend, SamplingParams
 from deltalens.generation.dtype import resolve_compute_dtype
 from deltalens.generation.prompts import problem_prompts
-from deltalens.io.models import weights_checksum  # defined in io.models (shared with GRPO)
+from deltalens.io.models import dtype_name, weights_checksum  # defined in io.models (shared with GRPO)
 from deltalens.training.es import lowrank  # noqa: F401 - registers the "lowrank" noise family
 from deltalens.training.es.config import ESConfig
 from deltalens.training.es.noise import Perturber, ReplicaES, make_family, noise_pool
@@ -90,7 +90,6 @@ def select_params(model: torch.nn.Module, patterns: Sequence[str]) -> tuple[list
     return chosen, len(unique)
 
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def es_compute_dtype(config: ESConfig, model: torch.nn.Module, pinned: str | None = None) -> str:
@@ -101,11 +100,11 @@ def es_compute_dtype(config: ESConfig, model: torch.nn.Module, pinned: str | Non
     backend generates in the weight dtype (vLLM computes in the dtype it loads)."""
     param = next(model.parameters())
     if param.dtype != torch.float32 or config.backend == "vllm":
-        return DTYPE_NAMES[param.dtype]
+        return dtype_name(param.dtype)
     if pinned is not None:
         return pinned
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    name = DTYPE_NAMES[resolve_compute_dtype(config.compute_dtype, param.device, param.dtype, hidden)]
+    name = dtype_name(resolve_compute_dtype(config.compute_dtype, param.device, param.dtype, hidden))
     if name == "bf16" and config.compute_dtype == "auto" and coarse_tensor(model, config) is not None:
         return "fp32"  # auto means "fast where exact enough": σ would drown in bf16's rounding here
     return name
