@@ -764,8 +764,10 @@ class RayExecutor:
             if seq <= self._acked:
                 continue
             self._acked = seq
+            if kind == "line":  # a task's own log line, even one drained after its task settled (a drain that
+                log(rest[0])    # timed out skips a beat: the task's result can be taken before its lines)
             if key not in table.rows or table.rows[key]["state"] in ("done", "failed", "cancelled"):
-                continue  # a late report of a task already settled
+                continue  # a late report of a task already settled: the table stays as it is
             if kind == "start":
                 node_id, host = rest
                 r = table.rows[key]
@@ -773,7 +775,6 @@ class RayExecutor:
                     say(f"ray: {key}: its worker on {r['node']} died; Ray retried it on {host} ({node_id[:8]})")
                 table.started(key, f"{host}/{node_id[:8]}")
             elif kind == "line":
-                log(rest[0])
                 m = ITERATION.search(rest[0])
                 if m:
                     table.rows[key]["iteration"] = int(m.group(1))
