@@ -224,7 +224,8 @@ def run_sparsify(ckpt: str, cfg: SparsifyConfig) -> None:
         # at most (a point that resets nothing or everything reuses one of the first two)
         c.console.print(plan_line(what=f"sparsify {label or default_label(ckpt)}", models=1, problems=n_problems,
                                   samples=samples, max_new_tokens=problems_of.max_new_tokens, model=model_arch,
-                                  backend=backend, points=2 + len(taus) + len(targets)), highlight=False)
+                                  backend=backend, points=2 + len(taus) + len(targets), compute_dtype=compute_dtype),
+                        highlight=False)
 
     cache: dict = {}  # hf: one loaded model for every evaluation of the sweep
     engine: list = []  # vllm: one engine of the base, started at the first evaluation

@@ -81,7 +81,8 @@ def run_eval(models: list[str], cfg: EvalConfig) -> None:
     # said once the first model has loaded, before it generates (c.FirstWork)
     plan = c.FirstWork(plan_line(what="eval", models=len(models), problems=n_problems, samples=samples,
                                  max_new_tokens=max_new_tokens or t.max_new_tokens, model=models[0],
-                                 backend=backend, dtype=dtype, device=device, config=config))
+                                 backend=backend, dtype=dtype, device=device, config=config,
+                                 compute_dtype=compute_dtype))
     with contextlib.ExitStack() as stack:
         slog = stack.enter_context(SampleLog(log_samples, t)) if log_samples is not None else None
         bar = stack.enter_context(c.progress_bar())

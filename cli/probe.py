@@ -55,7 +55,7 @@ def run_probe(model: str, cfg: ProbeConfig) -> None:
 
     plan = c.FirstWork(_plan_line(plan_line, temps, problems=len(t.split(split, limit)), samples=samples,
                                   max_new_tokens=max_new_tokens or t.max_new_tokens, model=model, backend=backend,
-                                  dtype=dtype))
+                                  dtype=dtype, compute_dtype=cfg.compute_dtype))
     with c.progress_bar() as bar:
         factory = plan.factory(c.bar_factory(bar))
         res = probe(model, t, split=split, limit=limit, samples=samples, group=group, temperature=signal_t,
@@ -91,12 +91,13 @@ def run_probe(model: str, cfg: ProbeConfig) -> None:
 
 
 def _plan_line(plan_line, temps, *, problems: int, samples: int, max_new_tokens: int, model: str, backend: str,
-               dtype: str) -> str:
+               dtype: str, compute_dtype: str) -> str:
     """The sampled pass's cost, said before it starts: every temperature's generations (one "point" of
     `plan_line` each, named a temperature here)."""
     what = "probe" if len(temps) == 1 else f"probe (sampled at T={', '.join(f'{t:g}' for t in temps)})"
     line = plan_line(what=what, models=1, points=len(temps), problems=problems, samples=samples,
-                     max_new_tokens=max_new_tokens, model=model, backend=backend, dtype=dtype, device="cpu")
+                     max_new_tokens=max_new_tokens, model=model, backend=backend, dtype=dtype, device="cpu",
+                     compute_dtype=compute_dtype)
     return line.replace(f" x {len(temps)} points", f" x {len(temps)} temperatures", 1) if len(temps) > 1 else line
 
 

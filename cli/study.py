@@ -99,7 +99,7 @@ def _plan(cfg: StudyConfig, out: Path) -> list[str]:
     def n(count: int, word: str, words: str | None = None) -> str:
         return f"{count} {word if count == 1 else words or word + 's'}"
 
-    common = {"model": cfg.model, "backend": cfg.backend, "device": "cpu"}
+    common = {"model": cfg.model, "backend": cfg.backend, "device": "cpu", "compute_dtype": cfg.compute_dtype}
     groups = by_group(runs)
     lines = [(f"study training: {n(len(runs), 'run')} ({', '.join(groups)}; {n(len(cfg.seeds), 'seed')} each) at "
               f"{budget:.4g} units each")]

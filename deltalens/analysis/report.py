@@ -335,7 +335,8 @@ class _Report:
                       sparsify=sum(self._sparsified(lab) for lab in self.labels)
                       if (o.sparsify or o.sparsity_targets) else 0,
                       points=len(o.sparsify) + len(o.sparsity_targets),
-                      diversity=len(self.diversity_models) if o.diversity else 0, diversity_opts=o.diversity_opts)
+                      diversity=len(self.diversity_models) if o.diversity else 0, diversity_opts=o.diversity_opts,
+                      compute_dtype=o.compute_dtype)
         sections: dict = self.diff()
         if t is not None:
             sections["evals"] = {lab: self.eval_one(lab, t) for lab in self.refs}
@@ -489,10 +490,16 @@ def report_paths(out_dir: Path | None = None) -> dict[str, Path]:
 
 
 def _log_plan(log, *, model: str, n_models: int, task, held: dict, samples: int, limit, sparsify: int,
-              points: int, diversity: int = 0, diversity_opts: dict | None = None) -> None:
+              points: int, diversity: int = 0, diversity_opts: dict | None = None,
+              compute_dtype: str = "fp32") -> None:
     """The cost lines of a report's evaluations (before the first; cached results make it less); `model`:
-    the spec of the base's architecture (what the rates measured here are keyed by)."""
-    from deltalens.evaluation.cost import plan_line
+    the spec of the base's architecture (what the rates measured here are keyed by), generating in
+    `compute_dtype` (the diversity pass samples in fp32)."""
+    from functools import partial
+
+    from deltalens.evaluation.cost import plan_line as fp32_line
+
+    plan_line = partial(fp32_line, compute_dtype=compute_dtype)
 
     n = len(task.test(limit))
     log(plan_line(what=f"evaluate on {task.name}", models=n_models, problems=n, samples=samples,
@@ -510,6 +517,6 @@ def _log_plan(log, *, model: str, n_models: int, task, held: dict, samples: int,
         # own N may differ from the default counted here
         opts = diversity_opts or {}
         members = opts.get("members") or 32
-        log(plan_line(what="diversity", models=diversity, points=2 * members + 1,
+        log(fp32_line(what="diversity", models=diversity, points=2 * members + 1,
                       problems=len(task.test(opts.get("prompts", 16))), samples=opts.get("samples", 4),
                       max_new_tokens=opts.get("max_new_tokens") or task.max_new_tokens, model=model))

@@ -10,7 +10,9 @@ generation pass, which keeps one measured rate (sequences per second) per key in
 `<cache dir>/rates.json` (DELTALENS_CACHE_DIR, else ~/.cache/deltalens; `deltalens.io.cache`). Without a
 measurement the line says so, and the progress line gives the ETA once work starts.
 
-A key is the model's identity, the backend (and device for HF), the dtype and the generation budget
+A key is the model's identity, the backend (and device for HF), the dtype generation runs in (HF: the
+compute dtype, e.g. bf16 for fp32 weights under `--compute-dtype auto` on a bf16-fast CPU; vLLM: its dtype;
+`generation_dtype`), and the generation budget
 rounded up to a power of two (the cost of a sequence grows with the tokens it may generate). The model's
 identity must survive a rename or a copy, and be computable from a spec without loading the model: a
 named GGUF (`smollm2`) keeps its name; anything with a config.json (tiny, an HF or run directory, bare
@@ -168,11 +170,27 @@ def _n(count: int, noun: str) -> str:
     return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
+def generation_dtype(*, model, backend: str = "hf", dtype: str = "fp32", compute_dtype: str = "fp32",
+                     device: str | None = None, config: str | None = None) -> str:
+    """The dtype a rate is keyed by: what generation runs in. HF: the compute dtype `compute_dtype` resolves
+    to for weights loaded in `dtype` (`deltalens.generation.dtype.planned_compute_dtype`); vLLM: its `dtype`."""
+    if backend != "hf":
+        return dtype
+    from deltalens.generation.dtype import planned_compute_dtype
+
+    try:
+        return planned_compute_dtype(model, compute_dtype, dtype=dtype, device=_device(backend, device),
+                                     config=config)
+    except Exception:  # noqa: BLE001 - a cost estimate must never stop the work it estimates
+        return dtype
+
+
 def plan_line(*, what: str, models: int, problems: int, samples: int, max_new_tokens: int, model: str,
               backend: str = "hf", points: int = 1, dtype: str = "fp32", device: str | None = None,
-              config: str | None = None) -> str:
+              config: str | None = None, compute_dtype: str = "fp32") -> str:
     """One line: what `what` will generate (models x points x problems x samples) and, from a rate measured
-    here for `model` (the first or base model) on `backend`, about how long it will take."""
+    here for `model` (the first or base model) on `backend` in the dtype generation will run in
+    (`generation_dtype`: weights in `dtype`, HF generating in `compute_dtype`), about how long it will take."""
     generations = models * points * problems * samples
     text = f"{what}: {_n(models, 'model')}"
     if points != 1:
@@ -181,7 +199,10 @@ def plan_line(*, what: str, models: int, problems: int, samples: int, max_new_to
              f"(<= {max_new_tokens} new tokens each)")
     dev = _device(backend, device)
     where = f"{_label(model)}/{backend}" + ("" if dev in ("cpu", "-") else f"/{dev}")
-    rate = measured_rate(model=model, backend=backend, max_new_tokens=max_new_tokens, dtype=dtype, device=device,
+    gen = generation_dtype(model=model, backend=backend, dtype=dtype, compute_dtype=compute_dtype, device=device,
+                           config=config)
+    where += "" if gen == "fp32" else f" in {gen}"
+    rate = measured_rate(model=model, backend=backend, max_new_tokens=max_new_tokens, dtype=gen, device=device,
                          config=config)
     if rate is None:
         return text + f"; no rate measured yet on this machine for {where}: the progress line gives an ETA"

@@ -84,7 +84,8 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
 
 
 def _record(model, backend, spec, config, max_new_tokens, sequences, seconds) -> None:
-    """The throughput of this pass, for later plan lines (never raises: `record_rate`)."""
+    """The throughput of this pass, for later plan lines (never raises: `record_rate`), keyed by the dtype
+    generation ran in: the HF backend's compute dtype, else the weights'."""
     name = "hf" if isinstance(backend, HFBackend) else \
         "vllm" if type(backend).__name__.startswith("VLLM") else type(backend).__name__
     dtype, device = "fp32", None
@@ -92,6 +93,8 @@ def _record(model, backend, spec, config, max_new_tokens, sequences, seconds) ->
     if param is not None:
         dtype = dtype_name(param.dtype)
         device = param.device.type
+    if isinstance(backend, HFBackend):  # keyed by what generation ran in (`cost.generation_dtype`)
+        dtype = dtype_name(backend.dtype)
     record_rate(model=spec if spec is not None else model, backend=name, max_new_tokens=max_new_tokens,
                 sequences=sequences, seconds=seconds, dtype=dtype, device=device, config=config)
 

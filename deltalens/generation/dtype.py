@@ -30,7 +30,8 @@ from functools import lru_cache
 import torch
 
 from deltalens.errors import DeltalensError
-from deltalens.io.models import contiguous_head
+from deltalens.io.models import contiguous_head, dtype_name, load_config, torch_dtype
+from deltalens.io.spec import ModelRef
 
 COMPUTE_DTYPES = ("auto", "fp32", "bf16")
 BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # AMX tiles, or AVX-512 bf16 dot products
@@ -80,6 +81,25 @@ def resolve_compute_dtype(name: str, device: torch.device | str = "cpu", master:
         wide = hidden_size is None or hidden_size >= MIN_BF16_HIDDEN
         name = "bf16" if wide and bf16_is_fast(device) else "fp32"
     return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def planned_compute_dtype(spec: str | ModelRef, compute_dtype: str = "fp32", *, dtype: str = "fp32", device: str | None = "cpu",
+                          config: str | None = None) -> str:
+    """The name of the dtype generation of the model `spec` will run in (fp32, bf16, fp16), said before the
+    model loads: weights loaded in `dtype` other than fp32 generate as they are; `auto` on a device where bf16
+    is fast reads the model's config (not its weights: `load_config`) for the width rule, and takes no width
+    rule when that config cannot be read. Cost estimates and cache keys use it; generation itself resolves
+    the same rule on the loaded model (`resolve_compute_dtype`)."""
+    check_compute_dtype(compute_dtype)
+    master = torch_dtype(dtype)
+    dev = "cpu" if device in (None, "auto", "-") else device
+    hidden = None
+    if master == torch.float32 and compute_dtype == "auto" and bf16_is_fast(dev):
+        try:
+            hidden = getattr(load_config(spec, config=config), "hidden_size", None)
+        except DeltalensError:
+            hidden = None
+    return dtype_name(resolve_compute_dtype(compute_dtype, dev, master, hidden))
 
 
 def compute_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

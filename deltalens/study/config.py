@@ -16,6 +16,7 @@ from deltalens.training.budget import parse_budget
 from deltalens.training.tracking import HELP as REPORT_TO_HELP
 from deltalens.training.tracking import normalize_report_to
 
+COMPUTE_DTYPES = ("auto", "fp32", "bf16")  # deltalens.generation.dtype.COMPUTE_DTYPES (that module needs torch)
 PAPER_TEMPERATURE = 0.6  # the paper's evaluation temperature: claim 1's verdict uses it when it is evaluated
 
 
@@ -60,6 +61,10 @@ class StudyConfig(Config):
     chat_template: str = option("auto", "prompts through the tokenizer's chat template: auto, on, off")
     backend: str = option("hf", "backend of the Pass@K and sparsity evaluations: hf, or vllm (docs/vllm.md); "
                           "training, entropy and diversity always run on HF")
+    compute_dtype: str = option("auto", "what the HF backend's Pass@K and sparsity evaluations generate in: auto "
+                                "(bf16 on a CPU with AMX-BF16 or AVX512-BF16 or a bf16 GPU, for hidden size >= 512; "
+                                "else fp32), fp32, bf16; entropy and diversity score in fp32, training uses each "
+                                "method's own setting")
     report_to: str = option("none", REPORT_TO_HELP + "; each training run logs in its own directory")
     resamples: int = option(10000, "bootstrap resamples of every interval (heavy-tailed t draws at 2 seeds need many)")
     population_sizes: tuple[int, ...] = option((), "claim 6: extra ES runs at these population sizes N (every "
@@ -107,6 +112,10 @@ class StudyConfig(Config):
             (math.isfinite(self.noninferiority_margin) and 0 <= self.noninferiority_margin < 1,
              f"--noninferiority-margin must lie in [0, 1) (got {self.noninferiority_margin})"),
             (self.backend in ("hf", "vllm"), f"--backend must be hf or vllm (got {self.backend!r})"),
+            (self.compute_dtype in COMPUTE_DTYPES,
+             f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPES)} (got {self.compute_dtype!r})"),
+            (self.compute_dtype in ("auto", "fp32") or self.backend == "hf",
+             f"--compute-dtype {self.compute_dtype} is the HF backend's; vLLM computes in the dtype it loads"),
         ])
         if self.budget is not None:
             self.budget = parse_budget(self.budget)

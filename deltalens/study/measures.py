@@ -10,7 +10,8 @@ a rerun recomputes nothing that is done), each model spec resolved once into a `
 its hash, its loading, the diff and the diversity pass take that reference), the weights hashes, one HF
 model in memory at a time, and with
 --backend vllm one engine that serves every sampling seed of one model. The backend is decided here, once
-(`Measures.vllm`); training, entropy and diversity always run on HF.
+(`Measures.vllm`); training, entropy and diversity always run on HF. HF evaluations generate in --compute-dtype
+(`Measures.compute_key`: a bf16 result is cached under a key of its own, an fp32 one under the key it always had).
 
 The task functions (`eval_task`, `diff_task`, `entropy_task`; `deltalens.study.plan` puts them in the
 graph) take (ctx, cfg, ...) and find their process's `Measures` by (study directory, settings)
@@ -27,6 +28,7 @@ from deltalens.analysis.delta import diff_checkpoints
 from deltalens.analysis.report import Cache, weights_hash
 from deltalens.evaluation import evaluate, evaluate_state_dict
 from deltalens.evaluation.passk import pass_at_k
+from deltalens.generation.dtype import planned_compute_dtype
 from deltalens.io.models import load_model
 from deltalens.io.spec import ModelRef, resolve
 from deltalens.study.config import StudyConfig
@@ -57,6 +59,7 @@ class Measures:
         self._loaded: dict = {}
         self._sparse: dict = {}  # the base model the sparsity evaluations overwrite (evaluate_state_dict's cache)
         self._engine: tuple | None = None  # (spec, vLLM backend): one engine serves all seeds of one model
+        self._compute: dict[str, dict] = {}  # spec -> its compute dtype's part of a cache key (`compute_key`)
 
     def ref(self, spec: str) -> ModelRef:
         """`spec` (the base, or a run directory once trained) resolved once (`deltalens.io.spec.resolve`)."""
@@ -94,6 +97,15 @@ class Measures:
             self._engine = (spec, be)
         return self._engine[1]
 
+    def compute_key(self, spec: str) -> dict:
+        """The HF compute dtype `spec` generates in (--compute-dtype resolved for it, without loading it:
+        `planned_compute_dtype`) as part of a cache key: {} for fp32, so that results cached before the option
+        existed (all fp32) still count, else {"compute": "bf16"}. vLLM: {} (its dtype is the backend's)."""
+        if spec not in self._compute:
+            name = "fp32" if self.vllm else planned_compute_dtype(self.ref(spec), self.cfg.compute_dtype)
+            self._compute[spec] = {} if name == "fp32" else {"compute": name}
+        return self._compute[spec]
+
     def cached(self, key: str, compute) -> tuple[dict, str]:
         """(value, its file relative to DIR): the cache's entry, computed first when missing."""
         value = self.cache.get_or_compute(key, compute, self.log)
@@ -106,7 +118,7 @@ class Measures:
         ks = [k for k in cfg.k if k <= samples] or [1]
         key = self.cache.key("study-eval", weights=self.hash(spec), task=task.spec, samples=samples, ks=ks,
                              temperature=temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template,
-                             **self.backend_key)
+                             **self.backend_key, **self.compute_key(spec))
         return key, task, samples, ks
 
     def evaluation(self, spec: str, label: str, seed: int, temperature: float, samples: int | None = None,
@@ -125,7 +137,8 @@ class Measures:
             else:
                 (model, tok), be = self.model(spec), None
             return evaluate(model, tok, task, samples=samples, ks=ks, temperature=temperature,
-                            limit=cfg.limit, seed=seed, progress=prog, chat_template=cfg.chat_template, backend=be)
+                            limit=cfg.limit, seed=seed, progress=prog, chat_template=cfg.chat_template, backend=be,
+                            compute_dtype=cfg.compute_dtype)
 
         return self.cached(key, compute)
 
@@ -137,7 +150,7 @@ class Measures:
         temperature = cfg.verdict_temperature
         key = self.cache.key("study-sparse-eval", weights=tag, task=self.task.spec, samples=cfg.sparsify_samples,
                              temperature=temperature, limit=cfg.limit, seed=seed, chat=cfg.chat_template,
-                             **self.backend_key)
+                             **self.backend_key, **self.compute_key(base))
 
         def compute():
             n = len(self.task.test(cfg.limit)) * cfg.sparsify_samples
@@ -154,7 +167,7 @@ class Measures:
             res = evaluate_state_dict(base, sd, self.task, samples=cfg.sparsify_samples, ks=[1],
                                       temperature=temperature, limit=cfg.limit, seed=seed, backend=be,
                                       model_cache=None if be else self._sparse, chat_template=cfg.chat_template,
-                                      progress=prog)
+                                      progress=prog, compute_dtype=cfg.compute_dtype)
             return {"pass1": [r["correct"] / r["n"] for r in res["per_problem"]]}
 
         return self.cache.get_or_compute(key, compute, self.log)["pass1"]

@@ -39,7 +39,7 @@ def test_a_recorded_rate_gives_an_estimate():
     assert plan(max_new_tokens=40).endswith("~2.1 min at 50 seq/s measured here on tiny/hf")  # same bucket (<= 64)
     assert plan(max_new_tokens=65).endswith(NO_RATE.format(where="tiny/hf"))  # twice the budget: not this rate
     assert plan(backend="vllm").endswith(NO_RATE.format(where="tiny/vllm"))
-    assert plan(dtype="bf16").endswith(NO_RATE.format(where="tiny/hf"))
+    assert plan(dtype="bf16").endswith(NO_RATE.format(where="tiny/hf in bf16"))
     assert json.loads(rates_path().read_text())[f"{model_identity('tiny')}|hf|cpu|fp32|<=64"]["sequences"] == 640
 
 
@@ -89,3 +89,31 @@ def test_cache_failures_never_break_anything(tmp_path, monkeypatch):
     record_rate(model="tiny", backend="hf", max_new_tokens=64, sequences=640, seconds=12.8, device="cpu")
     assert plan().endswith("at 50 seq/s measured here on tiny/hf")
     assert [p.name for p in rates_path().parent.iterdir()] == ["rates.json"]  # no temporary left
+
+
+def test_rates_are_keyed_by_the_dtype_generation_runs_in(monkeypatch):
+    """A bf16 compute copy of fp32 weights generates at bf16's rate: the evaluation records it under bf16, and a
+    plan line finds it for --compute-dtype bf16 (or auto, where auto resolves to bf16), not for fp32."""
+    from deltalens.evaluation import cost, evaluate
+    from deltalens.evaluation.cost import generation_dtype
+    from deltalens.generation import dtype as cd
+    from deltalens.io.models import load_model
+    from deltalens.tasks import get_task
+
+    monkeypatch.setattr(cost, "_MIN_SECONDS", 0.0)  # record however fast this small pass is
+    model, tok = load_model("tiny")
+    ev = evaluate(model, tok, get_task("arith"), samples=2, ks=[1], limit=40, compute_dtype="bf16",
+                  model_spec="tiny")
+    assert ev["compute_dtype"] == "bf16"
+    rates = json.loads(rates_path().read_text())
+    assert [k.split("|")[3] for k in rates] == ["bf16"]
+    mnt = ev["max_new_tokens"]
+    assert "in bf16" in plan(compute_dtype="bf16", max_new_tokens=mnt) and "~" in plan(compute_dtype="bf16",
+                                                                                     max_new_tokens=mnt)
+    assert plan(compute_dtype="fp32", max_new_tokens=mnt).endswith(NO_RATE.format(where="tiny/hf"))
+    # auto on tiny: fp32 (its width is under MIN_BF16_HIDDEN), so the bf16 rate is not its rate
+    monkeypatch.setattr(cd, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    assert generation_dtype(model="tiny", compute_dtype="auto") == "fp32"
+    # weights in bf16 generate in bf16 whatever the compute dtype says; vLLM keys by its own dtype
+    assert generation_dtype(model="tiny", dtype="bf16", compute_dtype="fp32") == "bf16"
+    assert generation_dtype(model="tiny", backend="vllm", dtype="fp16", compute_dtype="bf16") == "fp16"

@@ -66,6 +66,22 @@ def test_auto_on_cuda_follows_bf16_support(monkeypatch, supported):
     assert cd.resolve_compute_dtype("auto", "cuda:0") == (torch.bfloat16 if supported else torch.float32)
 
 
+@pytest.mark.parametrize(("flags", "want"), [({"avx512_bf16"}, "bf16"), ({"avx2"}, "fp32")])
+def test_planned_compute_dtype_reads_the_width_from_the_config_not_the_weights(monkeypatch, tmp_path, flags, want):
+    """What plan lines and the study's cache keys use: the rule of `resolve_compute_dtype` on a spec's
+    config.json, said before any weights load."""
+    monkeypatch.setattr(cd, "cpu_flags", lambda: frozenset(flags))
+    model, tok = small_llama(hidden=576, layers=1, heads=9, kv_heads=3, intermediate=64)
+    model.save_pretrained(tmp_path / "wide")
+    tok.save_pretrained(tmp_path / "wide")
+    monkeypatch.setattr("deltalens.io.models.load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    assert cd.planned_compute_dtype(str(tmp_path / "wide"), "auto") == want
+    assert cd.planned_compute_dtype("tiny", "auto") == "fp32"  # hidden 128: the width rule
+    assert cd.planned_compute_dtype("tiny", "bf16") == "bf16"
+    assert cd.planned_compute_dtype(str(tmp_path / "wide"), "auto", dtype="fp16") == "fp16"
+    assert cd.planned_compute_dtype(str(tmp_path / "wide"), "fp32") == "fp32"
+
+
 def test_cpu_flags_reads_proc_cpuinfo():
     try:
         text = Path("/proc/cpuinfo").read_text()
