@@ -15,6 +15,9 @@ once first with --cache warm:
   diff_notopk  the same with topk=0 (metrics per tensor/group/layer only, no top-k lists)
   naive  a naive script: for each tensor, read both with safetensors' get_tensor and take
          torch.linalg.vector_norm of their difference (one number per tensor, nothing else)
+  command  (135m) `deltalens diff BASE CKPT --arch smollm2 --json F` as a user runs it, a fresh process,
+         against the naive script's whole process (interpreter start and imports included in both):
+         command_over_naive_process (the issue's goal, warm cache: <= 1.5)
 and prints one JSON object (medians of --repeat alternated read/diff/diff_notopk triples, and each
 run's seconds): seconds, GB/s, diff/read time ratio (goal <= 2, i.e. diff throughput >= 50% of
 reading), diff/naive and diff_notopk/naive time ratios (goal, warm cache: diff <= 1.5 x naive), peak RSS (VmHWM) against the budget 3 x largest tensor + 300 MB (the streaming design holds
@@ -209,8 +212,24 @@ def phase_diff(base: Path, ckpt: Path, topk: int = 100) -> dict:
 def measure(phase: str, base: Path, ckpt: Path, threads: int, cache: str = "cold") -> dict:
     (phase_read if cache == "warm" else evict)(base, ckpt)   # warm: read once, into the page cache
     cmd = [sys.executable, __file__, "--phase", phase, "--threads", str(threads), str(base), str(ckpt)]
+    t = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    wall = time.perf_counter() - t
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "process_s": wall}
+
+
+def measure_command(base: Path, ckpt: Path, threads: int, cache: str = "cold") -> dict:
+    """The user's command, as a user runs it: `deltalens diff BASE CKPT --arch smollm2 --json F` in a fresh
+    process (interpreter start, imports, the analysis, the tables and the JSON), wall-clock seconds."""
+    (phase_read if cache == "warm" else evict)(base, ckpt)
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "-c", "import sys; from deltalens.cli.main import main; sys.exit(main())", "diff",
+               str(base), str(ckpt), "--arch", "smollm2",
+               "--json", str(Path(d) / "diff.json")]
+        t = time.perf_counter()
+        subprocess.run(cmd, capture_output=True, text=True, check=True,
+                       env={**os.environ, "OMP_NUM_THREADS": str(threads), "DELTALENS_PROGRESS": "0"})
+        return {"seconds": time.perf_counter() - t}
 
 
 def bench_pair(size: str, work: Path, layers: int, threads: int, repeat: int = 1, cache: str = "cold") -> dict:
@@ -224,18 +243,28 @@ def bench_pair(size: str, work: Path, layers: int, threads: int, repeat: int = 1
         write_pair_streaming(qwen_shapes(layers=layers), base, ckpt)
         source = f"synthetic Qwen2.5-1.5B shapes, {layers} layers"
     write_s = time.perf_counter() - t
-    reads, diffs, notopk, naives = [], [], [], []
+    reads, diffs, notopk, naives, commands = [], [], [], [], []
     for _ in range(repeat):  # alternated, so slow phases of a busy machine hit all measurements
         reads.append(measure("read", base, ckpt, threads, cache))
         diffs.append(measure("diff", base, ckpt, threads, cache))
         notopk.append(measure("diff_notopk", base, ckpt, threads, cache))
         naives.append(measure("naive", base, ckpt, threads, cache))
+        if size == "135m":  # the command needs an architecture: SmolLM2's names
+            commands.append(measure_command(base, ckpt, threads, cache))
     ratios = sorted(d["seconds"] / r["seconds"] for r, d in zip(reads, diffs))
     naive_ratios = sorted(d["seconds"] / r["seconds"] for r, d in zip(naives, diffs))
     read = sorted(reads, key=lambda r: r["seconds"])[len(reads) // 2]    # medians
     diff = sorted(diffs, key=lambda d: d["seconds"])[len(diffs) // 2]
     bare = sorted(notopk, key=lambda d: d["seconds"])[len(notopk) // 2]
     naive = sorted(naives, key=lambda d: d["seconds"])[len(naives) // 2]
+    command = {}
+    if commands:  # the command against the naive script's whole process (its start and imports too)
+        cmd_s = sorted(c["seconds"] for c in commands)[len(commands) // 2]
+        naive_proc = sorted(n["process_s"] for n in naives)[len(naives) // 2]
+        command = {"command_s": round(cmd_s, 2), "naive_process_s": round(naive_proc, 2),
+                   "command_over_naive_process": round(cmd_s / naive_proc, 2),
+                   "command_over_naive_process_each": sorted(round(c["seconds"] / n["process_s"], 2)
+                                                             for c, n in zip(commands, naives))}
     gb = read["bytes"] / 1e9
     budget = 3 * diff["largest_tensor_mb"] + 300
     return {
@@ -249,7 +278,7 @@ def bench_pair(size: str, work: Path, layers: int, threads: int, repeat: int = 1
         "diff_over_read": round(diff["seconds"] / read["seconds"], 2),
         "naive_s": round(naive["seconds"], 2), "diff_over_naive": round(diff["seconds"] / naive["seconds"], 2),
         "diff_notopk_over_naive": round(bare["seconds"] / naive["seconds"], 2),
-        "naive_peak_rss_mb": round(naive["peak_rss_mb"], 1),
+        "naive_peak_rss_mb": round(naive["peak_rss_mb"], 1), **command,
         "repeats": repeat, "diff_over_read_each": [round(x, 2) for x in ratios],
         "diff_over_naive_each": [round(x, 2) for x in naive_ratios],
         "read_each_s": [round(r["seconds"], 2) for r in reads],     # in run order
