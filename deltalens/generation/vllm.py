@@ -48,7 +48,7 @@ def import_vllm():
 
 def check_weight_loading(model_spec: str) -> None:
     """Refuse now, before any work, a model whose state dicts `VLLMBackend.load_state_dict` cannot check
-    and load (the layout mapping knows Llama and Qwen2: `deltalens.generation.vllm_layout.arch`)."""
+    and load (the layout mapping knows Llama, Qwen2 and Gemma 3: `deltalens.generation.vllm_layout.arch`)."""
     from deltalens.generation.vllm_layout import arch
     from deltalens.io.models import load_config
 

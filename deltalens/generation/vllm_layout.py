@@ -1,4 +1,4 @@
-"""Where each HF parameter lives inside vLLM's fused weights (Llama, Qwen2; tensor parallel size 1).
+"""Where each HF parameter lives inside vLLM's fused weights (Llama, Qwen2, Gemma 3; tensor parallel size 1).
 
 vLLM loads an HF checkpoint into fewer, larger tensors than transformers keeps:
 
@@ -12,6 +12,12 @@ vLLM loads an HF checkpoint into fewer, larger tensors than transformers keeps:
     lm_head.weight                                 lm_head.weight (rows [0, V) of padded V), or, with tied
                                                    embeddings, model.embed_tokens.weight (one tensor)
     everything else (o_proj, down_proj, norms)     the same name, the same shape
+
+Gemma 3 (`gemma3_text`: transformers' Gemma3ForCausalLM, vLLM's of the same name) fuses the same way and adds
+norms of its own, unfused: per-head q_norm/k_norm (head_dim) after q/k, and pre/post-feedforward norms beside
+the input and post-attention ones; its head_dim (256 on Gemma-3-270M) is not hidden/heads. Both hold the
+norm weight w of x·(1 + w) (GemmaRMSNorm), so nothing is shifted between them; the sqrt(hidden) scale of the
+embedding is a buffer in both, not a weight.
 
 with q = num_attention_heads·head_dim, kv = num_key_value_heads·head_dim (GQA), I = intermediate_size,
 V = vocab_size. vLLM pads the vocabulary dimension of the embedding and of the LM head to a multiple of
@@ -35,7 +41,7 @@ import torch
 from deltalens.errors import DeltalensError
 
 VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "gemma3_text")
 
 # HF projection -> (vLLM fused projection, shard id as vLLM's weight loaders name it)
 _FUSED = {
@@ -64,6 +70,8 @@ class Arch:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False  # Gemma 3: self_attn.q_norm / k_norm (head_dim) after the projections
+    ffn_norms: bool = False  # Gemma 3: pre_feedforward_layernorm and post_feedforward_layernorm as well
 
     @property
     def q_size(self) -> int:
@@ -87,6 +95,9 @@ def arch(config) -> Arch:
     head_dim = int(get("head_dim") or hidden // heads)
     if model_type == "qwen2":  # Qwen2: q/k/v always have a bias, o_proj and the MLP never do
         qkv_bias, o_bias, mlp_bias = True, False, False
+    elif model_type == "gemma3_text":  # Gemma 3: attention_bias on q/k/v/o, never an MLP bias
+        qkv_bias = o_bias = bool(get("attention_bias", False))
+        mlp_bias = False
     else:  # Llama: attention_bias adds q/k/v/o biases, mlp_bias adds gate/up/down biases
         qkv_bias = o_bias = bool(get("attention_bias", False))
         mlp_bias = bool(get("mlp_bias", False))
@@ -94,7 +105,8 @@ def arch(config) -> Arch:
     return Arch(model_type=model_type, vocab=int(get("vocab_size")), hidden=hidden,
                 layers=int(get("num_hidden_layers")), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 intermediate=int(get("intermediate_size")), tied=bool(True if tied is None else tied),
-                qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias)
+                qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=model_type == "gemma3_text",
+                ffn_norms=model_type == "gemma3_text")
 
 
 def padded_vocab(vocab: int, padding: int = VOCAB_PADDING) -> int:
@@ -103,7 +115,7 @@ def padded_vocab(vocab: int, padding: int = VOCAB_PADDING) -> int:
 
 def hf_param_shapes(config) -> dict[str, tuple[int, ...]]:
     """Every HF parameter name (as `named_parameters(remove_duplicate=False)` lists them: lm_head.weight
-    included even when tied) -> shape, in the module order of transformers' Llama/Qwen2."""
+    included even when tied) -> shape, in the module order of transformers' Llama/Qwen2/Gemma3."""
     a = arch(config)
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab, a.hidden)}
     for i in range(a.layers):
@@ -115,6 +127,9 @@ def hf_param_shapes(config) -> dict[str, tuple[int, ...]]:
         out[f"{p}self_attn.o_proj.weight"] = (a.hidden, a.q_size)
         if a.o_bias:
             out[f"{p}self_attn.o_proj.bias"] = (a.hidden,)
+        if a.qk_norm:
+            out[f"{p}self_attn.q_norm.weight"] = (a.head_dim,)
+            out[f"{p}self_attn.k_norm.weight"] = (a.head_dim,)
         for proj in ("gate_proj", "up_proj"):
             out[f"{p}mlp.{proj}.weight"] = (a.intermediate, a.hidden)
             if a.mlp_bias:
@@ -124,6 +139,9 @@ def hf_param_shapes(config) -> dict[str, tuple[int, ...]]:
             out[f"{p}mlp.down_proj.bias"] = (a.hidden,)
         out[f"{p}input_layernorm.weight"] = (a.hidden,)
         out[f"{p}post_attention_layernorm.weight"] = (a.hidden,)
+        if a.ffn_norms:
+            out[f"{p}pre_feedforward_layernorm.weight"] = (a.hidden,)
+            out[f"{p}post_feedforward_layernorm.weight"] = (a.hidden,)
     out["model.norm.weight"] = (a.hidden,)
     out["lm_head.weight"] = (a.vocab, a.hidden)
     return out

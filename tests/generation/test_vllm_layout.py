@@ -58,6 +58,41 @@ def llama_biased():
     return LlamaForCausalLM(cfg).eval()
 
 
+def gemma3():
+    """A small random Gemma 3 text model: head_dim 16 apart from hidden/heads, q/k norms, four norms per block,
+    tied embeddings (random norm weights, so a misplaced norm cannot pass unnoticed)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from deltalens.tiny.build import build_tokenizer
+
+    torch.manual_seed(3)
+    tok = build_tokenizer()
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_()
+    return model, tok
+
+
+def test_gemma3_slices_known_answers():
+    model, _ = gemma3()  # hidden 32, 4 heads x 16 (q 64 rows), 1 kv head (16), intermediate 48
+    s = vllm_slices(model.config)
+    L = "model.layers.1."
+    assert s[L + "self_attn.q_proj.weight"] == (L + "self_attn.qkv_proj.weight", 0, 0, 64)
+    assert s[L + "self_attn.v_proj.weight"] == (L + "self_attn.qkv_proj.weight", 0, 80, 96)
+    assert s[L + "mlp.up_proj.weight"] == (L + "mlp.gate_up_proj.weight", 0, 48, 96)
+    assert s[L + "self_attn.q_norm.weight"] == (L + "self_attn.q_norm.weight", 0, 0, 16)  # head_dim, unfused
+    assert s[L + "post_feedforward_layernorm.weight"] == (L + "post_feedforward_layernorm.weight", 0, 0, 32)
+    assert s["lm_head.weight"] == ("model.embed_tokens.weight", 0, 0, model.config.vocab_size)
+    v = vllm_shapes(model.config)
+    assert v[L + "self_attn.o_proj.weight"] == (32, 64)
+    assert len(v) == 2 + 2 * 10  # embed, norm; per layer (2) qkv, o, q/k norms, gate_up, down, 4 norms
+
+
 def _shapes_of(model):
     return {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
 
@@ -121,10 +156,10 @@ def test_qwen2_slices_known_answers():
     assert L + "self_attn.o_proj.bias" not in v  # Qwen2: no o_proj bias
 
 
-@pytest.mark.parametrize("which", ["tiny", "qwen2", "qwen2-untied", "llama-biased"])
+@pytest.mark.parametrize("which", ["tiny", "qwen2", "qwen2-untied", "llama-biased", "gemma3"])
 def test_hf_param_shapes_match_transformers(which):
     model = {"tiny": lambda: tiny()[0], "qwen2": lambda: qwen2(True)[0], "qwen2-untied": lambda: qwen2(False)[0],
-             "llama-biased": llama_biased}[which]()
+             "llama-biased": llama_biased, "gemma3": lambda: gemma3()[0]}[which]()
     want = _shapes_of(model)
     got = hf_param_shapes(model.config)
     assert list(got.items()) == list(want.items())  # names, shapes and module order
@@ -133,7 +168,7 @@ def test_hf_param_shapes_match_transformers(which):
 
 
 def test_unsupported_model_type():
-    with pytest.raises(DeltalensError, match="supports llama, qwen2"):
+    with pytest.raises(DeltalensError, match="supports llama, qwen2, gemma3_text"):
         arch({"model_type": "gpt2"})
 
 
@@ -141,10 +176,11 @@ def test_unsupported_model_type():
 # fuse / unfuse
 
 
-@pytest.mark.parametrize("which", ["tiny", "qwen2", "qwen2-untied", "llama-biased", "qwen2-bf16"])
+@pytest.mark.parametrize("which", ["tiny", "qwen2", "qwen2-untied", "llama-biased", "qwen2-bf16", "gemma3"])
 def test_fuse_known_answer_and_roundtrip(which):
     model = {"tiny": lambda: tiny()[0], "qwen2": lambda: qwen2(True)[0], "qwen2-untied": lambda: qwen2(False)[0],
-             "llama-biased": llama_biased, "qwen2-bf16": lambda: qwen2(True, torch.bfloat16)[0]}[which]()
+             "llama-biased": llama_biased, "qwen2-bf16": lambda: qwen2(True, torch.bfloat16)[0],
+             "gemma3": lambda: gemma3()[0]}[which]()
     cfg = model.config
     a = arch(cfg)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
@@ -205,10 +241,10 @@ def _fused_noise(engine, iteration, k, config) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("which", ["tiny", "qwen2"])
+@pytest.mark.parametrize("which", ["tiny", "qwen2", "gemma3"])
 def test_fused_noise_equals_fused_hf_noise(which):
     """fuse(hf + σε) == fuse(hf) + σ·fused-ε, bit for bit, ε built through the slice mapping."""
-    model, tok = tiny() if which == "tiny" else qwen2(tied=True)
+    model, tok = {"tiny": tiny, "qwen2": lambda: qwen2(tied=True), "gemma3": gemma3}[which]()
     cfg = model.config
     engine = _engine(model, tok)
     base = fuse({k: v.clone() for k, v in model.state_dict().items()}, cfg)
@@ -277,6 +313,11 @@ def test_fused_es_matches_hf_qwen2_tied_antithetic_filter():
 def test_fused_es_matches_hf_qwen2_bf16_subtract():
     model, tok = qwen2(tied=False, dtype=torch.bfloat16)
     _check_fused_es(model, tok, dtype="bf16", restore="subtract", iterations=1)
+
+
+def test_fused_es_matches_hf_gemma3():
+    model, tok = gemma3()
+    _check_fused_es(model, tok, iterations=1)
 
 
 def test_fused_es_chunked_blocks(monkeypatch):

@@ -529,7 +529,7 @@ def test_load_state_dict_needs_the_extension_and_a_dropped_cache(fake_vllm):
 
 def test_vllm_weight_loading_refuses_other_architectures_up_front(fake_vllm, tmp_path, monkeypatch):
     """`sparsify --backend vllm` and `study --backend vllm` refuse a model whose state dicts the engine
-    cannot check and load (the layout mapping knows Llama and Qwen2) before reading any checkpoint or
+    cannot check and load (the layout mapping knows Llama, Qwen2 and Gemma 3) before reading any checkpoint or
     training anything."""
     import json
 
@@ -549,7 +549,7 @@ def test_vllm_weight_loading_refuses_other_architectures_up_front(fake_vllm, tmp
     app.command("noop")(lambda: None)
     res = CliRunner().invoke(app, ["sparsify", str(tmp_path / "not-read"), "--base", str(gpt2),
                                    "--backend", "vllm"])
-    assert res.exit_code == 2 and "supports llama, qwen2 models, not 'gpt2'" in res.output, res.output
+    assert res.exit_code == 2 and "supports llama, qwen2, gemma3_text models, not 'gpt2'" in res.output, res.output
     monkeypatch.setattr(study_run, "train_runs", lambda *a, **k: pytest.fail("trained before refusing"))
     with pytest.raises(DeltalensError, match="not 'gpt2'"):
         study_run.run_study(StudyConfig(model=str(gpt2), task="arith", backend="vllm"), tmp_path / "study",
