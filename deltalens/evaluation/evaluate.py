@@ -88,13 +88,10 @@ def _record(model, backend, spec, config, max_new_tokens, sequences, seconds) ->
     generation ran in: the HF backend's compute dtype, else the weights'."""
     name = "hf" if isinstance(backend, HFBackend) else \
         "vllm" if type(backend).__name__.startswith("VLLM") else type(backend).__name__
-    dtype, device = "fp32", None
     param = next(model.parameters(), None) if model is not None and hasattr(model, "parameters") else None
-    if param is not None:
-        dtype = dtype_name(param.dtype)
-        device = param.device.type
-    if isinstance(backend, HFBackend):  # keyed by what generation ran in (`cost.generation_dtype`)
-        dtype = dtype_name(backend.dtype)
+    device = None if param is None else param.device.type
+    dtype = dtype_name(backend.dtype) if isinstance(backend, HFBackend) else \
+        "fp32" if param is None else dtype_name(param.dtype)  # what generation ran in (`cost.generation_dtype`)
     record_rate(model=spec if spec is not None else model, backend=name, max_new_tokens=max_new_tokens,
                 sequences=sequences, seconds=seconds, dtype=dtype, device=device, config=config)
 

@@ -93,13 +93,18 @@ def planned_compute_dtype(spec: str | ModelRef, compute_dtype: str = "fp32", *, 
     check_compute_dtype(compute_dtype)
     master = torch_dtype(dtype)
     dev = "cpu" if device in (None, "auto", "-") else device
-    hidden = None
-    if master == torch.float32 and compute_dtype == "auto" and bf16_is_fast(dev):
-        try:
-            hidden = getattr(load_config(spec, config=config), "hidden_size", None)
-        except DeltalensError:
-            hidden = None
-    return dtype_name(resolve_compute_dtype(compute_dtype, dev, master, hidden))
+    wide = master == torch.float32 and compute_dtype == "auto" and bf16_is_fast(dev)
+    return dtype_name(resolve_compute_dtype(compute_dtype, dev, master, _hidden_size(spec, config) if wide else None))
+
+
+@lru_cache(maxsize=32)
+def _hidden_size(spec: str | ModelRef, config: str | None) -> int | None:
+    """hidden_size of a spec's config, read once per process (a GGUF's header: ~10 s for Qwen2.5's vocabulary;
+    a study's and a report's plan lines ask for the same base several times); None when it cannot be read."""
+    try:
+        return getattr(load_config(spec, config=config), "hidden_size", None)
+    except DeltalensError:
+        return None
 
 
 def compute_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

@@ -95,18 +95,15 @@ def arch(config) -> Arch:
     head_dim = int(get("head_dim") or hidden // heads)
     if model_type == "qwen2":  # Qwen2: q/k/v always have a bias, o_proj and the MLP never do
         qkv_bias, o_bias, mlp_bias = True, False, False
-    elif model_type == "gemma3_text":  # Gemma 3: attention_bias on q/k/v/o, never an MLP bias
-        qkv_bias = o_bias = bool(get("attention_bias", False))
-        mlp_bias = False
-    else:  # Llama: attention_bias adds q/k/v/o biases, mlp_bias adds gate/up/down biases
+    else:  # Llama, Gemma 3: attention_bias adds q/k/v/o biases, mlp_bias (Llama's; Gemma has none) gate/up/down's
         qkv_bias = o_bias = bool(get("attention_bias", False))
         mlp_bias = bool(get("mlp_bias", False))
     tied = get("tie_word_embeddings")
+    gemma = model_type == "gemma3_text"  # its extra norms: q/k norms and the two feedforward norms
     return Arch(model_type=model_type, vocab=int(get("vocab_size")), hidden=hidden,
                 layers=int(get("num_hidden_layers")), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 intermediate=int(get("intermediate_size")), tied=bool(True if tied is None else tied),
-                qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=model_type == "gemma3_text",
-                ffn_norms=model_type == "gemma3_text")
+                qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=gemma, ffn_norms=gemma)
 
 
 def padded_vocab(vocab: int, padding: int = VOCAB_PADDING) -> int:
