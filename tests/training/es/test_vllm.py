@@ -273,6 +273,40 @@ def test_generate_maps_sampling_params(fake_vllm):
     assert st["completion_tokens"] == sum(len(ids) for i in range(4) for ids in [_scripted(None, sps[0])[i][1]]) * 3
 
 
+def test_generate_reports_progress_as_requests_finish(fake_vllm):
+    # vLLM 0.32's LLM._run_engine: builds the bar with use_tqdm(total=..., desc=..., dynamic_ncols=..., postfix=...)
+    # when use_tqdm is callable, then per finished request reads format_dict["elapsed"], sets postfix and calls
+    # update(len(outputs)); refresh() when complete, close() at the end
+    _need_tiny()
+    be = VLLMBackend.from_spec("tiny")
+    FakeLLM.script = _scripted
+    llm = FakeLLM.instances[-1]
+    plain_generate = llm.generate
+    seen = []
+
+    def generate(prompts, sampling_params, use_tqdm=True):
+        results = plain_generate(prompts, sampling_params, use_tqdm)
+        assert callable(use_tqdm)
+        bar = use_tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True,
+                       postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        for res in results:
+            assert bar.format_dict["elapsed"] >= 0
+            bar.postfix = "est. speed input: 1.00 toks/s, output: 1.00 toks/s"
+            bar.update(len(res.outputs))
+            seen.append(list(ticks))  # what the caller had heard by then
+            if bar.n == len(prompts) * len(res.outputs):
+                bar.refresh()
+        bar.close()
+        return results
+
+    llm.generate = generate
+    ticks = []
+    out = be.generate(["a", "b", "c"], SamplingParams(n=4, temperature=0.7, max_new_tokens=3), progress=ticks.append)
+    assert out == [["0", "1", "2", "3"]] * 3
+    assert seen == [[4], [4, 4], [4, 4, 4]]  # each request reported as it finished, not once at the end
+    assert ticks == [4, 4, 4]  # and nothing reported twice
+
+
 def test_generate_greedy_and_chunks(fake_vllm):
     _need_tiny()
     be = VLLMBackend.from_spec("tiny", max_prompts=2)
