@@ -6,7 +6,8 @@
     qwen2.5-0.5b
               task QWEN05_TASK, chosen on validation problems only (docs/tuning.md: "Qwen2.5-Coder-0.5B-Instruct
               and Gemma-3-270M"); presets `paper` (not tuned for it yet). gemma3-270m has none yet: its
-              screen's best candidate solved 5 of 24 in bf16 and 0 of 24 in fp32 (same docs section)
+              best candidate is at the rule's edge (greedy 0.13-0.16) and loads worse under the vLLM
+              venv's transformers 5.19 (same docs section)
     anything else: no default task (`arith` is used), presets `paper` (the paper's settings)
 
 `deltalens eval`, `probe` and `train` use these when --task / --preset are not given; an explicit option

@@ -28,7 +28,7 @@ def test_named_models_get_the_tasks_chosen_for_them():
     # chosen on validation (docs/tuning.md): Qwen2.5-0.5B solves 1-2 digit pairs (greedy 0.92), so it gets 3 terms
     assert presets.default_task("qwen2.5-0.5b") == "add:digits=1-2,terms=3,shots=2"
     assert get_task(presets.default_task("qwen2.5-0.5b")).terms == 3
-    # not chosen yet: Gemma's best candidate depends on the compute dtype; the 1.5B was not screened
+    # not chosen yet: Gemma's best candidate is at the rule's edge (docs/tuning.md); the 1.5B was not screened
     for name in ("gemma3-270m", "qwen2.5-1.5b"):
         assert presets.default_task(name) == presets.FALLBACK_TASK
     assert presets.auto_preset("qwen2.5-1.5b") == "paper"
