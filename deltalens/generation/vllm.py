@@ -59,9 +59,8 @@ def check_weight_loading(model_spec: str) -> None:
 class _Ticks:
     """Progress from inside one `llm.generate` call. vLLM's `use_tqdm` takes a callable that builds the
     progress bar its engine loop updates as each request finishes (by the request's sample count); this
-    one builds a tqdm that draws nowhere and passes every update on to `progress(k)`. Before it, a call
-    reported once, at its end: the probe's 64 x 16 sampled pass on Gemma-3-270M sat at 0% for 14 min.
-    `forwarded` counts what was passed on, so the caller reports only the rest after the call (all of it
+    one builds a tqdm that draws nowhere and passes every update on to `progress(k)`, so a long call
+    reports as it goes, not once at its end (docs/vllm.md). `forwarded` counts what was passed on, so the caller reports only the rest after the call (all of it
     for an engine that never updates the bar)."""
 
     def __init__(self, progress: Callable[[int], None]):
@@ -224,7 +223,7 @@ class VLLMBackend:
             sps = greedy_sp if greedy_sp is not None else [self.sampling_params(params, i) for i in idx]
             ticks = _Ticks(progress) if progress is not None else None
             t0 = time.perf_counter()
-            results = self.llm.generate(reqs, sps, use_tqdm=ticks if ticks is not None else False)
+            results = self.llm.generate(reqs, sps, use_tqdm=ticks or False)
             stats["generate_s"] += time.perf_counter() - t0
             if len(results) != len(reqs):
                 raise DeltalensError(f"vLLM returned {len(results)} results for {len(reqs)} prompts")

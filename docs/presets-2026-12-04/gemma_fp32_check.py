@@ -1,5 +1,6 @@
 """Greedy on HF fp32 and on vLLM fp32 (prefix caching on and off) for TASK's first N validation problems of
-gemma3-270m: does vLLM serve it as HF does, and what does fp32 solve? Run in the vLLM venv (docs/vllm.md):
+gemma3-270m: does vLLM serve it as HF does? Run in the vLLM venv (docs/vllm.md; its transformers, 5.19, loads
+the GGUF as a model that answers worse than the main venv's 5.25 does: gemma_dtype_check.py):
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python docs/presets-2026-12-04/gemma_fp32_check.py "add:digits=1-2,terms=2,shots=8" 24
 

@@ -21,7 +21,7 @@ TASK = "add:digits=1-2,terms=2,shots=2"  # short answers, so a completion is a f
 
 
 # how far every parameter is moved (x its tensor's std) for the weight-load half: Gemma-3-270M's greedy answers
-# change at 0.02. Qwen2.5-0.5B's 8 (HF, fp32, this seed; measured 2026-12-04) change at none of 0.02/0.05,
+# change at 0.02. Qwen2.5-0.5B's 8 (HF, fp32, this seed; benchmarks/named_move_scan.py, 2026-12-04) change at none of 0.02/0.05,
 # at 3 of 8 at 0.1 (6 still right), and all 8 at 0.2 (1 right: no longer answering), so it gets 0.1
 MOVE = {"qwen2.5-0.5b": 0.1, "gemma3-270m": 0.02}
 
