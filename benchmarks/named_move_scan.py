@@ -15,6 +15,8 @@ from deltalens.generation.prompts import problem_prompts
 from deltalens.io.models import apply_state_dict, load_model
 from deltalens.tasks import get_task
 
+if len(sys.argv) != 3:
+    sys.exit("usage: python benchmarks/named_move_scan.py MODEL SCALE[,SCALE...]")
 name = sys.argv[1]; scales = [float(s) for s in sys.argv[2].split(",")]
 task = get_task("add:digits=1-2,terms=2,shots=2"); problems = task.test(8)
 model, tok = load_model(name); hf = HFBackend(model, tok)
