@@ -9,6 +9,9 @@ its quantization error (SmolLM2-135M-Instruct ships as Q4_1: "the base" is that 
 
 from __future__ import annotations
 
+import os
+import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -137,3 +140,80 @@ class GGUFSource(TensorSource):
     def close(self):
         self._tensors = {}
         self._reader = None  # drops the np.memmap
+
+
+# GGUF metadata value types (gguf's GGUFValueType) -> struct format of a scalar; 8 string, 9 array
+_KV_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_KV_STRING, _KV_ARRAY = 8, 9
+
+
+def read_metadata(file: Path | str, keys: Iterable[str]) -> dict:
+    """The scalar metadata values of `keys` in a GGUF file's header (a missing key is left out), read
+    with the standard library alone: no tensor data, and arrays (the vocabulary, 262k strings for Gemma 3)
+    skipped, not parsed, so it costs well under a second where `gguf.GGUFReader` takes seconds.
+
+    Layout (GGUF v2/v3, little-endian): b"GGUF", version u32, tensor count u64, key count u64, then per
+    key a string (u64 length, UTF-8 bytes), a value type u32 and the value; an array is an item type u32,
+    a count u64 and the items. Every header field is checked before use; a file that breaks the layout is
+    refused in one line."""
+    want = set(keys)
+    found: dict = {}
+    file = Path(file)
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+
+            def take(n: int) -> bytes:
+                b = f.read(n)
+                if len(b) != n:
+                    raise DeltalensError(f"{file}: GGUF header ends early (truncated file?)")
+                return b
+
+            def unpack(fmt: str):
+                return struct.unpack("<" + fmt, take(struct.calcsize(fmt)))[0]
+
+            def string() -> bytes:
+                n = unpack("Q")
+                if n > size - f.tell():
+                    raise DeltalensError(f"{file}: GGUF string of {n} bytes runs past the end of the file")
+                return take(n)
+
+            def skip(vtype: int) -> None:
+                if vtype in _KV_SCALARS:
+                    f.seek(struct.calcsize(_KV_SCALARS[vtype]), 1)
+                elif vtype == _KV_STRING:
+                    f.seek(unpack("Q"), 1)
+                elif vtype == _KV_ARRAY:
+                    itype, count = unpack("I"), unpack("Q")
+                    if itype in _KV_SCALARS:
+                        f.seek(count * struct.calcsize(_KV_SCALARS[itype]), 1)
+                    else:
+                        for _ in range(count):
+                            skip(itype)
+                else:
+                    raise DeltalensError(f"{file}: unknown GGUF metadata value type {vtype}")
+                if f.tell() > size:
+                    raise DeltalensError(f"{file}: GGUF metadata runs past the end of the file")
+
+            if take(4) != b"GGUF":
+                raise DeltalensError(f"{file} is not a GGUF file (no GGUF magic)")
+            version = unpack("I")
+            if version not in (2, 3):
+                raise DeltalensError(f"{file}: GGUF version {version} is not supported (2 or 3; a big-endian "
+                                     f"file reads as a huge version)")
+            unpack("Q")  # tensor count: not needed here
+            n_kv = unpack("Q")
+            for _ in range(n_kv):
+                if not want - found.keys():
+                    break
+                key = string().decode("utf-8", errors="replace")
+                vtype = unpack("I")
+                if key in want and vtype in _KV_SCALARS:
+                    found[key] = unpack(_KV_SCALARS[vtype])
+                elif key in want and vtype == _KV_STRING:
+                    found[key] = string().decode("utf-8", errors="replace")
+                else:
+                    skip(vtype)
+    except OSError as e:
+        raise DeltalensError(f"cannot read {file}: {one_line(e)}") from e
+    return found

@@ -114,7 +114,35 @@ def load_tokenizer(ref: ModelRef):
     tok.padding_side = "left"  # generation appends to the right, so pad on the left
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    if ref.kind == "gguf":
+        gguf_bos(tok, loc)
     return tok
+
+
+GGUF_ADD_BOS = "tokenizer.ggml.add_bos_token"
+
+
+def gguf_bos(tok, file) -> None:
+    """Make `tok` start every plain (non-chat) prompt with BOS exactly when the GGUF says so
+    (`tokenizer.ggml.add_bos_token`, as llama.cpp applies it), then check that it does.
+
+    transformers' GGUF tokenizer conversion has not always read that flag: 5.19 (the version vLLM's CPU
+    build pins) loads Gemma 3's tokenizer without BOS, 5.25 with it, from the same file. Gemma without
+    its BOS is another model (measured: 0 of 24 validation answers right against 13 of 100 with BOS,
+    docs/models.md), and vLLM takes deltalens's token ids, so the flag is set here, once, for every
+    backend. Only BOS: the file's add_eos flag is for training sequences; a prompt never ends in EOS."""
+    from deltalens.io.gguf import read_metadata
+
+    want = read_metadata(file, [GGUF_ADD_BOS]).get(GGUF_ADD_BOS)
+    if want is None or tok.bos_token_id is None:
+        return  # the file does not say, or the vocabulary has no BOS: transformers' choice stands
+    want = bool(want)
+    if getattr(tok, "add_bos_token", None) != want:
+        tok.add_bos_token = want
+    ids = tok("1", add_special_tokens=True)["input_ids"]
+    if (ids[:1] == [tok.bos_token_id]) != want:
+        raise DeltalensError(f"{file}: the GGUF says {GGUF_ADD_BOS}={want}, but this transformers' tokenizer "
+                             f"cannot be made to follow it (it encodes '1' as {ids[:3]})")
 
 
 def _names(names) -> str:

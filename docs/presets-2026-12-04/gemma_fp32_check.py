@@ -4,7 +4,8 @@ the GGUF as a model that answers worse than the main venv's 5.25 does: gemma_dty
 
     VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python docs/presets-2026-12-04/gemma_fp32_check.py "add:digits=1-2,terms=2,shots=8" 24
 
-Output of 2026-12-04: gemma_fp32_check.txt beside this file (docs/tuning.md)."""
+Output of 2026-12-04: gemma_fp32_check.txt beside this file (docs/tuning.md). It ran before
+`deltalens.io.models.gguf_bos`: 5.19's Gemma tokenizer added no BOS then, which is why HF solved 0 of 24."""
 
 from __future__ import annotations
 

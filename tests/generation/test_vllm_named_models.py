@@ -56,6 +56,9 @@ def test_vllm_serves_the_named_model_as_hf_does(name):
     vllm = VLLMBackend.from_spec(name, dtype="fp32", seed=0, max_model_len=2048)
     try:
         assert vllm.chat == wm.MODELS[name].chat  # Qwen: ChatML; Gemma 3 base: plain few-shot text
+        # the GGUF's add_bos_token (Gemma: yes, Qwen: no), which this venv's transformers (5.19) does not
+        # apply by itself to Gemma's tokenizer: without BOS Gemma answers 0 of 24 (deltalens.io.models.gguf_bos)
+        assert (vllm.encode(prompts[0])[0] == tok.bos_token_id) is (name == "gemma3-270m")
         got = vllm.generate(prompts, greedy)
         assert vllm.load_state_dict(noisy)["tensors"] == len(noisy)
         got_noisy = vllm.generate(prompts, greedy)

@@ -56,6 +56,10 @@ def test_gemma_base_gets_plain_prompts_and_its_norms_are_stored_as_one_plus_w():
     model, tok = load_model("gemma3-270m")
     assert type(model).__name__ == "Gemma3ForCausalLM"
     assert not uses_chat(tok, "auto") and not wm.MODELS["gemma3-270m"].chat
+    # a plain prompt starts with BOS, as the GGUF's tokenizer.ggml.add_bos_token says (deltalens.io.models.gguf_bos)
+    from deltalens.generation.prompts import encode_prompts
+
+    assert encode_prompts(tok, ["Q: What is 1 + 2?\nA:"])[0][0] == tok.bos_token_id == 2
     raw = {t.name: torch.tensor(t.data.copy()) for t in gguf.GGUFReader(path).tensors
            if t.name in ("blk.0.attn_norm.weight", "output_norm.weight")}
     sd = model.state_dict()
