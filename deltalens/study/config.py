@@ -8,11 +8,13 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from deltalens.config import Config, check, option
+from deltalens.config import Config, check, coerce, flag_name, option
+from deltalens.errors import DeltalensError
 from deltalens.methods import run_methods
 from deltalens.presets import default_task
 from deltalens.study.cluster import ray_checks, ray_option
 from deltalens.training.budget import parse_budget
+from deltalens.training.es.config import ESConfig
 from deltalens.training.tracking import HELP as REPORT_TO_HELP
 from deltalens.training.tracking import normalize_report_to
 
@@ -25,6 +27,40 @@ def seeds_checks(seeds: tuple[int, ...]) -> list[tuple[bool, str]]:
     least one, distinct, each >= 0."""
     return [(bool(seeds) and len(set(seeds)) == len(seeds), "--seeds must be distinct integers"),
             (all(x >= 0 for x in seeds), f"--seeds must be >= 0 (got {','.join(map(str, seeds))})")]
+
+
+# ES settings a study sets itself (or that would make its runs another study's), so --es-options refuses them
+STUDY_SET_ES = ("model", "task", "data", "question_field", "answer_field", "seed", "budget", "iterations",
+                "chat_template", "report_to", "init_from")
+
+
+def parse_es_options(specs) -> dict:
+    """["population=32", "alpha=5e-4"] -> {"population": 32, "alpha": 0.0005}, typed by ESConfig; unknown
+    names, names the study sets itself (STUDY_SET_ES), list-valued settings (a comma would split them) and
+    a name given twice are refused in one line. The values themselves are checked by ESConfig when a run's
+    config is resolved."""
+    types, out = ESConfig.types(), {}
+    for spec in specs:
+        key, sep, value = str(spec).partition("=")
+        key = key.strip().lstrip("-").replace("-", "_")
+        if not sep or not key or not value.strip():
+            raise DeltalensError(f"--es-options must be name=value, comma-separated (got {spec!r})")
+        if key not in types or not ESConfig.field(key).metadata.get("cli", True):
+            raise DeltalensError(f"--es-options {key}: ES has no option {flag_name(key)} "
+                                 "(see `deltalens train es --help`)")
+        if key in STUDY_SET_ES:
+            raise DeltalensError(f"--es-options {key}: the study sets {flag_name(key)} itself"
+                                 + (" (use --seeds)" if key == "seed" else " (use --budget)" if key in
+                                    ("budget", "iterations") else ""))
+        if isinstance(ESConfig.field(key).default, tuple):
+            raise DeltalensError(f"--es-options {key}: list-valued settings cannot be given here")
+        if key in out:
+            raise DeltalensError(f"--es-options names {key} twice")
+        value = value.strip()
+        if isinstance(ESConfig.field(key).default, bool):  # command-line text: true/false
+            value = {"true": True, "false": False}.get(value.lower(), value)
+        out[key] = coerce(value, types[key], key, "--es-options")
+    return out
 
 
 @dataclass
@@ -72,6 +108,10 @@ class StudyConfig(Config):
     two_point: bool = option(False, "claim 7: an extra two-point ES run per seed (N=2, one antithetic pair) at "
                              "the same budget, compared with ES at N=16 (the es runs if the preset's N is 16, "
                              "else es-n16 runs, added unless --population-sizes lists 16)")
+    es_options: tuple[str, ...] = option((), "settings of every ES run (es, es-n<N> but their N, es-2pt but its N, "
+                                         "ES->GRPO's ES stage) over the preset: name=value, comma-separated, "
+                                         "the names of `deltalens train es` (e.g. population=32: claim 6 across "
+                                         "models needs one reference N)")
     ray: str | None = ray_option("ray")
     cpus_per_run: float = ray_option("cpus_per_run")
     gpus_per_run: float = ray_option("gpus_per_run")
@@ -119,9 +159,16 @@ class StudyConfig(Config):
         ])
         if self.budget is not None:
             self.budget = parse_budget(self.budget)
+        self.es_options = tuple(self.es_options)
+        parse_es_options(self.es_options)  # refuses a bad --es-options now, before anything is written
 
         if self.task is None:
             self.task = default_task(self.model)
+
+    @property
+    def es_settings(self) -> dict:
+        """--es-options as typed ESConfig values: {"population": 32, ...} (`parse_es_options`)."""
+        return parse_es_options(self.es_options)
 
     @property
     def eval_temperatures(self) -> tuple[float, ...]:

@@ -246,7 +246,10 @@ def validate_study(cfg: StudyConfig, out: Path) -> list[dict]:
 def _check_study_file(cfg: StudyConfig, out: Path) -> None:
     """DIR/study.json pins what the runs depend on: a rerun may add seeds or methods, not change these."""
     pinned = ("model", "task", "budget", "preset", "chat_template")
-    diff = pin_json({k: getattr(cfg, k) for k in pinned}, out / "study.json")
+    settings = {k: getattr(cfg, k) for k in pinned}
+    if cfg.es_options:  # pinned only when given, so studies pinned before the option existed still match
+        settings["es_settings"] = cfg.es_settings
+    diff = pin_json(settings, out / "study.json")
     if diff:
         raise DeltalensError(f"{out} is a study with other settings ({', '.join(f'{k}: {a!r} vs {b!r}' for k, (a, b) in sorted(diff.items()))}); "
                              "use another --out")

@@ -42,17 +42,22 @@ def preset_of(cfg: StudyConfig) -> str:
     return auto_preset(cfg.model) if cfg.preset == "auto" else cfg.preset
 
 
+def study_es(cfg: StudyConfig) -> ESConfig:
+    """The study's ES settings: the ES preset with --es-options over it (what every es run trains with, but
+    its seed and budget)."""
+    return ESConfig.resolve(preset=preset_of(cfg), given=cfg.es_settings)
+
+
 def study_budget(cfg: StudyConfig) -> float:
-    """The units every method gets: --budget, else 20 iterations of the model's ES preset."""
+    """The units every method gets: --budget, else 20 iterations of the study's ES settings (`study_es`)."""
     if cfg.budget is not None:
         return float(cfg.budget)
-    es = methods.get("es")
-    return float(es.units(es.config.preset(preset_of(cfg)), 20))
+    return float(methods.get("es").units(study_es(cfg), 20))
 
 
 def preset_population(cfg: StudyConfig) -> int:
-    """N of the study's es runs: the ES preset's population (nothing else the study sets changes it)."""
-    return ESConfig.preset(preset_of(cfg)).population
+    """N of the study's es runs: the ES preset's population, or --es-options' population."""
+    return study_es(cfg).population
 
 
 def two_point_reference(cfg: StudyConfig) -> str:
@@ -71,9 +76,10 @@ def population_sizes(cfg: StudyConfig) -> tuple[int, ...]:
 
 
 def _es_variant(preset: str, given: dict, population: int, two_point: bool) -> ESConfig:
-    """ES at population N (two-point: N = 2 mirrored), every other setting the preset's; population-batched
-    generation is capped at N (it cannot batch more members than there are)."""
-    batch = min(ESConfig.preset(preset).population_batch, population)
+    """ES at population N (two-point: N = 2 mirrored), every other setting the study's (`given`: the preset's
+    with --es-options over them); population-batched generation is capped at N (it cannot batch more members
+    than there are)."""
+    batch = min(ESConfig.resolve(preset=preset, given=given).population_batch, population)
     extra = {"population": population, "population_batch": batch, **({"antithetic": True} if two_point else {})}
     return ESConfig.resolve(preset=preset, given={**given, **extra})
 
@@ -93,17 +99,19 @@ def run_plan(cfg: StudyConfig, out: Path) -> list[dict]:
             label = f"{group}-s{seed}"
             d = out / "runs" / label
             given = {**common, "seed": seed, "budget": budget}
+            es_given = {**cfg.es_settings, **given}
             stages = chain_stages(method)
             if population is not None:
-                es = _es_variant(preset, given, population, group == TWO_POINT)
+                es = _es_variant(preset, es_given, population, group == TWO_POINT)
                 total, configs = es.iterations, {"es": es}
             elif stages is None:  # one method (deltalens.training.methods): its budget gives its count
                 m = methods.get(method)
-                c = m.config.resolve(preset=preset, given=given)
+                c = m.config.resolve(preset=preset, given=es_given if method == "es" else given)
                 total, configs = m.total(c), {method: c}
             else:  # a chain: its stages split the budget (deltalens.training.chain.stage_configs)
-                configs = {s: methods.get(s).config.resolve(preset=preset, given={**common, "seed": seed})
-                           for s in dict.fromkeys(stages)}
+                configs = {s: methods.get(s).config.resolve(
+                    preset=preset, given={**(cfg.es_settings if s == "es" else {}), **common, "seed": seed})
+                    for s in dict.fromkeys(stages)}
                 cfgs = stage_configs(d, stages, cfg.model, cfg.task, configs, {}, budget)
                 total = sum(methods.get(s).total(c) for s, c in zip(stages, cfgs))
             plan.append({"group": group, "method": method, "seed": seed, "label": label, "dir": d, "total": total,

@@ -1,0 +1,86 @@
+"""`deltalens study --es-options name=value,...`: the study's ES settings over the preset (claim 6 across models
+needs one reference N: SmolLM2's preset has N = 16, tiny's and the paper's 32). Every ES run of the plan takes
+them (es, es-n<N> and es-2pt but their own N, ES->GRPO's ES stage), GRPO does not, the default budget follows
+them, DIR/study.json pins them, and bad names or values are refused in one line before anything is written."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from support import run_cli
+
+from deltalens.errors import DeltalensError
+from deltalens.study.config import StudyConfig
+from deltalens.study.run import _check_study_file
+from deltalens.study.runs import preset_population, run_plan, study_budget, two_point_reference
+from deltalens.training.es.config import ESConfig
+
+
+def plan(tmp_path, **given):
+    cfg = StudyConfig.resolve(given={"model": "smollm2", "task": "arith", "seeds": "0", **given})
+    return cfg, {r["label"]: r for r in run_plan(cfg, tmp_path)}
+
+
+def test_every_es_run_takes_them_and_grpo_does_not(tmp_path):
+    base_cfg, base = plan(tmp_path, population_sizes="4", two_point=True)
+    cfg, runs = plan(tmp_path, population_sizes="4", two_point=True, es_options="population=32,alpha=5e-4")
+    smollm2 = ESConfig.preset("smollm2")
+    assert smollm2.population == 16 and preset_population(base_cfg) == 16 and preset_population(cfg) == 32
+    es = runs["es-s0"]["configs"]["es"]
+    assert (es.population, es.alpha, es.sigma) == (32, 5e-4, smollm2.sigma)  # the rest stays the preset's
+    assert base["es-s0"]["configs"]["es"].population == 16
+    # the extra runs keep their own N, the other settings come from --es-options
+    assert [(runs[k]["configs"]["es"].population, runs[k]["configs"]["es"].alpha) for k in ("es-n4-s0", "es-2pt-s0")] \
+        == [(4, 5e-4), (2, 5e-4)]
+    # claim 7's reference: es at N = 16 under the preset, an es-n16 group once N is 32
+    assert two_point_reference(base_cfg) == "es" and two_point_reference(cfg) == "es-n16" and "es-n16-s0" in runs
+    chain_es = runs["es-grpo-s0"]["configs"]["es"]
+    assert (chain_es.population, chain_es.alpha) == (32, 5e-4)
+    # the default budget is 20 iterations of the study's ES: N = 32 costs twice N = 16's, so GRPO gets twice
+    # the steps; nothing else of GRPO's changes
+    assert study_budget(cfg) == pytest.approx(2 * study_budget(base_cfg))
+    grpo, grpo0 = runs["grpo-s0"]["configs"]["grpo"], base["grpo-s0"]["configs"]["grpo"]
+    assert grpo.steps == 2 * grpo0.steps
+    assert {k: v for k, v in grpo.to_dict().items() if k not in ("steps", "budget")} \
+        == {k: v for k, v in grpo0.to_dict().items() if k not in ("steps", "budget")}
+    assert es.iterations == 20
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nope=1", "ES has no option --nope"),
+    ("seed=3", "the study sets --seed itself (use --seeds)"),
+    ("iterations=5", "the study sets --iterations itself (use --budget)"),
+    ("params=*norm*", "list-valued settings cannot be given here"),
+    ("population=lots", "population must be an integer"),
+    ("population", "must be name=value"),
+    ("sigma=1e-3,sigma=2e-3", "names sigma twice"),
+])
+def test_bad_options_are_refused_in_one_line_before_work(tmp_path, spec, message):
+    with pytest.raises(DeltalensError, match=re.escape(message)):
+        StudyConfig.resolve(given={"model": "tiny", "es_options": spec})
+    r = run_cli(["study", "tiny", "--out", tmp_path / "s", "--es-options", spec])
+    assert r.exit_code == 2 and message in r.output and not (tmp_path / "s").exists()
+
+
+def test_a_value_es_refuses_is_refused_at_planning(tmp_path):
+    cfg = StudyConfig.resolve(given={"model": "tiny", "es_options": "population=-4"})
+    with pytest.raises(DeltalensError, match="population"):
+        run_plan(cfg, tmp_path)
+
+
+def test_they_are_pinned_and_an_older_study_without_them_still_matches(tmp_path):
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / "study.json").write_text(json.dumps({"model": "tiny", "task": "arith", "budget": None, "preset": "auto",
+                                                "chat_template": "auto"}))  # pinned before --es-options existed
+    _check_study_file(StudyConfig.resolve(given={"model": "tiny"}), out)
+    with pytest.raises(DeltalensError, match="other settings.*es_settings"):
+        _check_study_file(StudyConfig.resolve(given={"model": "tiny", "es_options": "population=16"}), out)
+    (out / "study.json").unlink()
+    _check_study_file(StudyConfig.resolve(given={"model": "tiny", "es_options": "population=16"}), out)
+    _check_study_file(StudyConfig.resolve(given={"model": "tiny", "es_options": "population=16"}), out)
+    for other in ({"es_options": "population=8"}, {}):
+        with pytest.raises(DeltalensError, match="other settings"):
+            _check_study_file(StudyConfig.resolve(given={"model": "tiny", **other}), out)
