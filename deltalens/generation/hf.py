@@ -19,11 +19,11 @@ the caller's order, each sequence stopped at EOS. Per batch (`_generate_batch`):
 
 Greedy completions do not depend on the budget (rows are computed alike whatever the batch; checked on
 tiny for budgets from one sequence to all, tests/generation/test_token_budget.py). SDPA attention is what
-transformers 5 loads these models with. Kept from transformers: the dynamic KV cache (a static one,
-`cache_implementation="static"`, removes its per-step `torch.cat` but attends over the whole pre-sized
-cache each step: measured no faster at 32 new tokens on tiny and hidden-576, fp32 and bf16) and its
-vectorised sampling (no per-step Python work scales with batch x vocabulary; what remains per step is
-a fixed number of module calls, ~5% of a tiny step at 640 rows).
+transformers 5 loads these models with. The KV cache is transformers' `DynamicCache` with its full-attention
+layers written in place (`deltalens.generation.kv_cache`: sized for prompt + max_new_tokens at the prefill,
+no per-step `torch.cat` of the whole cache). Kept from transformers: its vectorised sampling (no per-step
+Python work scales with batch x vocabulary; what remains per step is a fixed number of module calls, ~5% of
+a tiny step at 640 rows).
 
 Memory: the batch's KV cache is bounded by its token budget (`batching.token_budget`: by default the
 tokens whose KV cache fits in 512 MiB of the compute dtype, at most 262,144), never by problems x samples.
@@ -48,17 +48,11 @@ import torch
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs, token_budget
 from deltalens.generation.dtype import compute_copy, resolve_compute_dtype, sync_copy
+from deltalens.generation.kv_cache import cache_name, new_cache
 from deltalens.generation.params import SamplingParams
 from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
 
 SEGMENT = 16  # new tokens per `generate` call between removals of finished rows
-
-
-def _cache_name() -> str:
-    """transformers >= 5 calls the forward/generate cache argument `cache`; before, `past_key_values`."""
-    from transformers.utils import generic
-
-    return "cache" if hasattr(generic, "_rename_kwargs_for_bc") else "past_key_values"
 
 
 class HFBackend:
@@ -135,9 +129,9 @@ class HFBackend:
         from transformers.utils import logging as hf_logging
 
         device = next(self.model.parameters()).device
-        tok, eos, name = self.tok, self.tok.eos_token_id, _cache_name()
+        tok, eos, name = self.tok, self.tok.eos_token_id, cache_name()
         kw = sampling_kwargs(params.temperature, params.top_p)
-        cache = None
+        cache = new_cache(runner.config, params.max_new_tokens)  # written in place (`kv_cache`)
         if params.n > 1:
             # 1. prefill each distinct prompt once, then give each of its rows a view of that cache
             distinct = list(dict.fromkeys(owners))
@@ -146,9 +140,6 @@ class HFBackend:
             expand = torch.tensor([where[i] for i in owners], device=device)  # (rows,) -> distinct prompt
             ids, att = ids.to(device), att.to(device)
             if ids.shape[1] > 1:
-                from transformers import DynamicCache
-
-                cache = DynamicCache(config=runner.config)
                 pre = att[:, :-1]
                 pos = (pre.cumsum(-1) - 1).masked_fill(pre == 0, 0)  # as `generate` derives them
                 runner(input_ids=ids[:, :-1], attention_mask=pre, position_ids=pos, use_cache=True,

@@ -11,6 +11,7 @@ from support import tiny_spec
 from deltalens.generation import HFBackend, SamplingParams
 from deltalens.generation import hf as hf_mod
 from deltalens.generation.batching import MAX_BATCH_TOKENS, kv_bytes_per_token, length_batches, token_budget
+from deltalens.generation.kv_cache import cache_name
 
 
 @pytest.mark.parametrize("budget", [1, 50, 333, 10_000])
@@ -86,7 +87,7 @@ def test_prompt_prefilled_once_and_finished_rows_leave_the_batch(tiny, monkeypat
     forward = type(model).forward
 
     def spy(self, input_ids=None, **kw):
-        cache = kw.get(hf_mod._cache_name())
+        cache = kw.get(cache_name())
         calls.append((input_ids.shape[0], input_ids.shape[1], cache.get_seq_length() if cache is not None else 0))
         return forward(self, input_ids=input_ids, **kw)
 

@@ -8,9 +8,10 @@ prompts (member-major rows), and for the duration of the call the modules that o
 get a member-aware forward that views the batch as [G, B·T, ...] and applies each member's weights:
 
     nn.Linear     full rank: stacked W + σε_i [G, out, in], one bmm (baddbmm with a bias)
-                  low rank:  x·Wᵀ for all rows, plus bmm(bmm(x_i, B_i), (±σ/√r)·A_iᵀ) per member
+                  low rank:  x·Wᵀ for all rows, then (x_i·B_i)·(±σ/√r)·A_iᵀ accumulated into it per
+                             member (one in-place baddbmm_: the rank-r product is never a tensor of its own)
     nn.Embedding  full rank: rows gathered from the stacked tables
-                  low rank:  W[t] + (±σ/√r)·A_i[t]·B_iᵀ
+                  low rank:  W[t] + (±σ/√r)·A_i[t]·B_iᵀ (accumulated the same way)
     RMSNorm       (Llama-style, 1-D weight: full-rank noise in both modes) stacked weights [G, d]
 
 Stragglers: one `generate` call runs until its longest row ends, and among G perturbed members some
@@ -76,6 +77,7 @@ from torch import nn
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs
+from deltalens.generation.kv_cache import cache_name, new_cache
 from deltalens.generation.prompts import problem_prompts
 
 # ----------------------------------------------------------------------------------------------
@@ -243,13 +245,13 @@ def _member_forward(name: str, mod: nn.Module, members: Members):
                     torch.baddbmm(b.unsqueeze(1), xv, w_m.transpose(1, 2))
                 return y.reshape(*x.shape[:-1], y.shape[-1])
             y = F.linear(x, w, bias if b_m is None else None)  # shared weights, all rows at once
-            yv = y.reshape(members.count, -1, y.shape[-1])
+            yv = y.view(members.count, -1, y.shape[-1])  # y is ours (fresh): updated in place below
             if b_m is not None:
-                yv = yv + b_m.unsqueeze(1)
-            if w_m is not None:  # low rank: + (x B_i)(±σ/√r A_i)ᵀ
+                yv.add_(b_m.unsqueeze(1))
+            if w_m is not None:  # low rank: += (x B_i)(±σ/√r A_i)ᵀ, accumulated into y (see module doc)
                 a, b = w_m
-                yv = yv + torch.bmm(torch.bmm(xv, b), a.transpose(1, 2))
-            return yv.reshape(y.shape)
+                yv.baddbmm_(torch.bmm(xv, b), a.transpose(1, 2))
+            return y
         return linear
 
     if isinstance(mod, nn.Embedding):
@@ -263,8 +265,9 @@ def _member_forward(name: str, mod: nn.Module, members: Members):
             if isinstance(w_m, torch.Tensor):  # full rank: gather from the stacked tables
                 return w_m[rows, iv].reshape(*ids.shape, w.shape[1])
             a, b = w_m  # low rank: W[t] + (±σ/√r A_i[t]) B_iᵀ
-            y = F.embedding(ids, w, mod.padding_idx).reshape(members.count, -1, w.shape[1])
-            return (y + torch.bmm(a[rows, iv], b.transpose(1, 2))).reshape(*ids.shape, w.shape[1])
+            y = F.embedding(ids, w, mod.padding_idx)  # fresh: the low-rank rows are accumulated into it
+            y.view(members.count, -1, w.shape[1]).baddbmm_(a[rows, iv], b.transpose(1, 2))
+            return y
         return embedding
 
     eps = _norm_eps(mod)
@@ -303,13 +306,6 @@ def member_modules(model: nn.Module, members: Members):
 SEGMENT = 16  # new tokens per `generate` call between retirements of finished members
 
 
-def _cache_name() -> str:
-    """transformers >= 5 calls the generate/output argument `cache`; before, `past_key_values`."""
-    from transformers.utils import generic
-
-    return "cache" if hasattr(generic, "_rename_kwargs_for_bc") else "past_key_values"
-
-
 @torch.no_grad()
 def generate_replicated(generator, prompts: list[str], replicas: int, params, members: Members | None = None,
                         segment: int | None = SEGMENT, model: nn.Module | None = None) -> list[list[str]]:
@@ -331,7 +327,7 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
     enc = generator.encode(prompts)
     out = [[""] * len(prompts) for _ in range(replicas)]
     device = next(model.parameters()).device
-    eos, cache_name = tok.eos_token_id, _cache_name()
+    eos, name = tok.eos_token_id, cache_name()
     kw = sampling_kwargs(params.temperature, params.top_p)
     verbosity = hf_logging.get_verbosity()
     batches = length_batches([len(e) for e in enc], 1, params.max_new_tokens, generator.batch_tokens,
@@ -341,7 +337,8 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
         ids, att = left_pad([enc[i] for i in chunk], tok.pad_token_id)
         t = ids.shape[1]
         seqs, mask = ids.repeat(replicas, 1).to(device), att.repeat(replicas, 1).to(device)
-        live, cache, produced = list(range(replicas)), None, 0
+        live, produced = list(range(replicas)), 0
+        cache = new_cache(model.config, params.max_new_tokens)  # written in place (`kv_cache`)
         if members is not None:
             members.reset()
         torch.manual_seed(params.seed + batch)
@@ -352,9 +349,9 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
                 step = min(segment or params.max_new_tokens, params.max_new_tokens - produced)
                 res = model.generate(input_ids=seqs, attention_mask=mask, max_new_tokens=step,
                                      pad_token_id=tok.pad_token_id, eos_token_id=eos,
-                                     return_dict_in_generate=True, **{cache_name: cache}, **kw)
+                                     return_dict_in_generate=True, **{name: cache}, **kw)
                 new = res.sequences.shape[1] - seqs.shape[1]
-                seqs, cache, produced = res.sequences, getattr(res, cache_name), produced + new
+                seqs, cache, produced = res.sequences, getattr(res, name), produced + new
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
                 gen = seqs[:, t:].cpu()
                 ended = (gen == eos).any(1).view(len(live), len(chunk)).all(1).tolist()
