@@ -75,10 +75,3 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
             ids[r, width - len(s):] = torch.tensor(list(s))
             att[r, width - len(s):] = 1
     return ids, att
-
-
-def sampling_kwargs(temperature: float, top_p: float = 1.0) -> dict:
-    """transformers `generate` arguments: sampling from softmax(logits / T) (top-k off), or greedy."""
-    if temperature > 0:
-        return {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-    return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}

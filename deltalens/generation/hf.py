@@ -46,11 +46,12 @@ from collections.abc import Callable
 import torch
 
 from deltalens.errors import DeltalensError
-from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs, token_budget
+from deltalens.generation.batching import left_pad, length_batches, token_budget
 from deltalens.generation.dtype import compute_copy, resolve_compute_dtype, sync_copy
 from deltalens.generation.kv_cache import cache_name, new_cache
 from deltalens.generation.params import SamplingParams
 from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
+from deltalens.generation.sampling import sampling_kwargs
 
 SEGMENT = 16  # new tokens per `generate` call between removals of finished rows
 

@@ -76,9 +76,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltalens.errors import DeltalensError
-from deltalens.generation.batching import left_pad, length_batches, sampling_kwargs
+from deltalens.generation.batching import left_pad, length_batches
 from deltalens.generation.kv_cache import cache_name, new_cache
 from deltalens.generation.prompts import problem_prompts
+from deltalens.generation.sampling import sampling_kwargs
 
 # ----------------------------------------------------------------------------------------------
 # per-member tensors
