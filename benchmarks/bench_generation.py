@@ -3,7 +3,7 @@ beside this CPU's measured matmul peaks (the roofline fraction), and the agreeme
 
     python benchmarks/bench_generation.py [--models tiny,smollm2-shaped,smollm2] [--repeat 3] [--threads N]
         [--layers 6] [--agreement-limit 100] [--out FILE]
-    python benchmarks/bench_generation.py --greedy-only smollm2 [--limit 100] [--threads N] [--out FILE]
+    python benchmarks/bench_generation.py --greedy-only smollm2 [--limit 100] [--samples 16] [--threads N] [--out FILE]
     python benchmarks/bench_generation.py --models tiny --repeat 1 --agreement-limit 0 --peak-calls 3   # smoke
     python benchmarks/bench_generation.py --peak-only --threads 1 --out FILE   # the matmul peaks and CPU flags only
 
@@ -32,7 +32,8 @@ beside this CPU's measured matmul peaks (the roofline fraction), and the agreeme
    of the difference over problems; `within_2se` says whether |difference| <= 2 SE. Both dtypes sample
    with the same seed and batches (common random numbers), which is what makes the paired SE small.
 4. `--greedy-only MODEL`: only the greedy agreement (and the time of each dtype) on MODEL's default task,
-   e.g. the real SmolLM2-135M (Q4_1 dequantized to fp32), which `auto` does switch to bf16.
+   e.g. the real SmolLM2-135M (Q4_1 dequantized to fp32), which `auto` does switch to bf16; with
+   `--samples N` also the sampled check of 3. at N samples (issue #32's: `--limit 200 --samples 16`).
 
 Prints JSON (also written to --out) with the load average before and after.
 """
@@ -211,16 +212,19 @@ def agreement(spec: str = "tiny", limit: int = 100, samples: int = 8) -> dict:
     if not samples:
         return out
     sampled = SamplingParams(n=samples, temperature=0.6, max_new_tokens=task.max_new_tokens, seed=0)
-    per = {}
+    per, secs = {}, {}
     for v in ("fp32", "bf16"):
+        t0 = time.perf_counter()
         comps = HFBackend(model, tok, compute_dtype=v).generate(texts, sampled)
+        secs[v] = round(time.perf_counter() - t0, 2)
         per[v] = [sum(task.verify(c, p.answer) for c in cs) / samples for cs, p in zip(comps, problems)]
     d = [b - a for a, b in zip(per["fp32"], per["bf16"])]
     se = statistics.stdev(d) / math.sqrt(len(d))
     out["sampled"] = {"samples": samples, "temperature": 0.6,
                       "pass_at_1": {v: round(statistics.fmean(x), 4) for v, x in per.items()},
                       "difference": round(statistics.fmean(d), 4), "paired_se": round(se, 4),
-                      "within_2se": abs(statistics.fmean(d)) <= 2 * se}
+                      "within_2se": abs(statistics.fmean(d)) <= 2 * se, "seconds": secs,
+                      "per_problem_correct": {v: [round(x * samples) for x in per[v]] for v in per}}
     return out
 
 
@@ -250,7 +254,10 @@ def main():
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--greedy-only", default=None, metavar="MODEL")
+    ap.add_argument("--greedy-only", default=None, metavar="MODEL",
+                    help="only the agreement on MODEL's default task: greedy, plus sampled with --samples")
+    ap.add_argument("--samples", type=int, default=0,
+                    help="with --greedy-only: also the sampled check at this many samples per problem, T=0.6")
     ap.add_argument("--limit", type=int, default=100)
     ap.add_argument("--models", default="tiny,smollm2-shaped,smollm2",
                     help="comma-separated: tiny, smollm2-shaped (random, --layers layers), smollm2 (real)")
@@ -268,7 +275,7 @@ def main():
     if args.greedy_only:
         res = {"date": time.strftime("%Y-%m-%d"), "threads": torch.get_num_threads(),
                "load_average_before": [round(x, 2) for x in load0],
-               "agreement": agreement(args.greedy_only, args.limit, samples=0),
+               "agreement": agreement(args.greedy_only, args.limit, samples=args.samples),
                "load_average_after": [round(x, 2) for x in os.getloadavg()], "wall_s": round(time.time() - t_start, 1)}
         emit(res, args.out)
         return

@@ -21,9 +21,10 @@ Greedy completions do not depend on the budget (rows are computed alike whatever
 tiny for budgets from one sequence to all, tests/generation/test_token_budget.py). SDPA attention is what
 transformers 5 loads these models with. The KV cache is transformers' `DynamicCache` with its full-attention
 layers written in place (`deltalens.generation.kv_cache`: sized for prompt + max_new_tokens at the prefill,
-no per-step `torch.cat` of the whole cache). Kept from transformers: its vectorised sampling (no per-step
-Python work scales with batch x vocabulary; what remains per step is a fixed number of module calls, ~5% of
-a tiny step at 640 rows).
+no per-step `torch.cat` of the whole cache). Sampling is `deltalens.generation.sampling`'s inverse-CDF draw
+(one uniform per row, not torch.multinomial's one exponential per vocabulary entry); no per-step Python work
+scales with batch x vocabulary (what remains per step is a fixed number of module calls, ~5% of a tiny step
+at 640 rows).
 
 Memory: the batch's KV cache is bounded by its token budget (`batching.token_budget`: by default the
 tokens whose KV cache fits in 512 MiB of the compute dtype, at most 262,144), never by problems x samples.
@@ -132,7 +133,7 @@ class HFBackend:
         device = next(self.model.parameters()).device
         tok, eos, name = self.tok, self.tok.eos_token_id, cache_name()
         kw = sampling_kwargs(params.temperature, params.top_p)
-        cache = new_cache(runner.config, params.max_new_tokens)  # written in place (`kv_cache`)
+        cache = new_cache(runner.config, SEGMENT)  # written in place, room for a segment at a time (`kv_cache`)
         if params.n > 1:
             # 1. prefill each distinct prompt once, then give each of its rows a view of that cache
             distinct = list(dict.fromkeys(owners))

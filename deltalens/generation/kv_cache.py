@@ -9,10 +9,11 @@ same order, so outputs do not change (greedy completions identical: tests/genera
 
 `new_cache(config, reserve)` builds transformers' own `DynamicCache` for the config and swaps its
 full-attention layers (exactly `DynamicLayer`) for `GrowingLayer`s; sliding-window and other layer kinds
-are left to transformers. Callers set `reserve` to the new tokens still to come, so the prefill allocates
-prompt + max_new_tokens once and decoding never regrows: the same bytes the concatenated cache reaches
-at its end, which is what `deltalens.generation.batching`'s token budget bounds. Rows that leave the batch
-(`batch_select_indices`) take their buffers with them (one gather, as before). Measured figures:
+are left to transformers. Callers reserve one generation segment (`hf.SEGMENT`, 16 tokens): a buffer is
+regrown (one copy) once per segment instead of once per token, and holds at most a segment more than the
+tokens so far: reserving all of max_new_tokens up front would make every batch hold its whole token budget
+from the prefill on, while most rows end long before max_new_tokens and leave the batch. Rows that leave the batch (`batch_select_indices`) take
+their buffers with them (one gather, as before). Measured figures:
 benchmarks/README.md ("bench_es.py").
 """
 

@@ -15,7 +15,7 @@ checkpoint: a tied lm_head.weight and non-persistent buffers (rotary inv_freq), 
 state dict to begin with.
 
 Every model handed out (and every state dict applied onto one) has finite weights: a NaN or Inf weight
-makes generation fail deep inside sampling (torch.multinomial), so it is refused here with the names of
+makes generation fail or sample garbage deep inside sampling, so it is refused here with the names of
 the offending tensors. `weights_checksum` identifies a model's exact weights (ES and GRPO store it with
 each checkpoint and verify it on resume).
 """

@@ -49,8 +49,8 @@ Equality with the one-member-at-a-time loop (greedy decoding, the ES default):
   W + σE to bf16, this path never forms it (a small tied Llama in bf16, r=1, σ=1.5e-3: logits differed
   by up to 3.9e-3 where the perturbation itself moved them by 6.1e-2). Train low-rank batched runs in
   fp32 when they must match the sequential path.
-- temperature > 0: transformers draws one random stream for the whole batch of G·B rows after
-  `torch.manual_seed(seed + batch index)`, so a member's samples differ from the ones it draws alone
+- temperature > 0: the sampler (`deltalens.generation.sampling`) draws one random stream for the whole
+  batch of G·B rows after `torch.manual_seed(seed + batch index)`, so a member's samples differ from the ones it draws alone
   (the sequential path gives every member the same stream); the distribution is the same.
 
 Memory: full rank stacks G copies of every trained tensor (G x parameters x dtype bytes, plus up to
@@ -339,7 +339,7 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
         t = ids.shape[1]
         seqs, mask = ids.repeat(replicas, 1).to(device), att.repeat(replicas, 1).to(device)
         live, produced = list(range(replicas)), 0
-        cache = new_cache(model.config, params.max_new_tokens)  # written in place (`kv_cache`)
+        cache = new_cache(model.config, segment or params.max_new_tokens)  # in place (`kv_cache`)
         if members is not None:
             members.reset()
         torch.manual_seed(params.seed + batch)
