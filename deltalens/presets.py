@@ -8,6 +8,7 @@
               and Gemma-3-270M"); presets `paper` (not tuned for it yet). gemma3-270m has none yet: its
               best candidate is at the rule's edge (greedy 0.13-0.16) and loads worse under the vLLM
               venv's transformers 5.19 (same docs section)
+    a deltalens run directory (or a checkpoint inside one): the task it was trained on (its config.json)
     anything else: no default task (`arith` is used), presets `paper` (the paper's settings)
 
 `deltalens eval`, `probe` and `train` use these when --task / --preset are not given; an explicit option
@@ -15,6 +16,10 @@ always wins. Torch-free.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 SMOLLM2_TASK = "add:digits=1-2,terms=2,shots=2"  # base Pass@1 ~0.35, Pass@16 ~0.54 (validation)
 # Qwen2.5-Coder-0.5B-Instruct: greedy 0.54, sampled Pass@1 0.41, Pass@16 0.96 (24 validation problems, T=0.6);
@@ -29,8 +34,31 @@ FALLBACK_TASK = "arith"
 
 
 def default_task(model: str | None) -> str:
-    """The task a model is evaluated/trained on when --task is not given."""
+    """The task a model is evaluated/trained on when --task is not given: a named model's, a run's own."""
+    trained = _run_task(model)
+    if trained is not None:
+        return trained
     return MODELS.get(str(model or "tiny"), {}).get("task", FALLBACK_TASK)
+
+
+def _run_task(model) -> str | None:
+    """The task spec in the config.json of the run directory `model` is (or whose checkpoints/NAME it is);
+    None for anything else. Evaluating a run on `arith` because its path is no named model gave SmolLM2 runs
+    Pass@1 ~0 on a task they never saw."""
+    if model is None or not isinstance(model, (str, os.PathLike)):
+        return None
+    path = Path(model)
+    for run in (path, path.parent.parent if path.parent.name == "checkpoints" else None):
+        cfg = None if run is None else run / "config.json"
+        if cfg is None or not cfg.is_file():
+            continue
+        try:
+            doc = json.loads(cfg.read_text())
+        except (OSError, ValueError):
+            return None
+        if isinstance(doc, dict) and "method" in doc and isinstance(doc.get("task"), str):
+            return doc["task"]
+    return None
 
 
 def auto_preset(model: str | None) -> str:

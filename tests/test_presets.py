@@ -1,6 +1,7 @@
 """Per-model defaults (`deltalens.presets`): every named model's default task builds, holds a test split a
 report can rest on (>= 200 problems) and a validation split to tune on, and its presets exist for both
-methods; a name the table does not know gets the fallback task and the paper's settings."""
+methods; a name the table does not know gets the fallback task and the paper's settings; a run directory
+(or a checkpoint in one) gets the task it was trained on."""
 
 from __future__ import annotations
 
@@ -33,3 +34,20 @@ def test_named_models_get_the_tasks_chosen_for_them():
         assert presets.default_task(name) == presets.FALLBACK_TASK
     assert presets.auto_preset("qwen2.5-1.5b") == "paper"
     assert presets.default_task("some/hub-id") == "arith" and presets.default_task(None) == "arith"
+
+
+def test_a_run_directory_defaults_to_the_task_it_trained_on(tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "final").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"method": "es", "model": "smollm2", "task": "add:digits=3"}))
+    (run / "checkpoints" / "final" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert presets.default_task(str(run)) == "add:digits=3"
+    assert presets.default_task(run / "checkpoints" / "final") == "add:digits=3"  # a checkpoint of the run
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "task": "not ours"}))
+    assert presets.default_task(str(hf)) == "arith"  # an HF directory is no run: the fallback
+    (run / "config.json").write_text("{not json")
+    assert presets.default_task(str(run)) == "arith"
