@@ -20,8 +20,8 @@ the caller's order, each sequence stopped at EOS. Per batch (`_generate_batch`):
 Greedy completions do not depend on the budget (rows are computed alike whatever the batch; checked on
 tiny for budgets from one sequence to all, tests/generation/test_token_budget.py). SDPA attention is what
 transformers 5 loads these models with. The KV cache is transformers' `DynamicCache` with its full-attention
-layers written in place (`deltalens.generation.kv_cache`: sized for prompt + max_new_tokens at the prefill,
-no per-step `torch.cat` of the whole cache). Sampling is `deltalens.generation.sampling`'s inverse-CDF draw
+layers written in place (`deltalens.generation.kv_cache`: buffers regrown once per SEGMENT tokens, no
+per-step `torch.cat` of the whole cache). Sampling is `deltalens.generation.sampling`'s inverse-CDF draw
 (one uniform per row, not torch.multinomial's one exponential per vocabulary entry); no per-step Python work
 scales with batch x vocabulary (what remains per step is a fixed number of module calls, ~5% of a tiny step
 at 640 rows).

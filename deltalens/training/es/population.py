@@ -50,8 +50,9 @@ Equality with the one-member-at-a-time loop (greedy decoding, the ES default):
   by up to 3.9e-3 where the perturbation itself moved them by 6.1e-2). Train low-rank batched runs in
   fp32 when they must match the sequential path.
 - temperature > 0: the sampler (`deltalens.generation.sampling`) draws one random stream for the whole
-  batch of G·B rows after `torch.manual_seed(seed + batch index)`, so a member's samples differ from the ones it draws alone
-  (the sequential path gives every member the same stream); the distribution is the same.
+  batch of G·B rows after `torch.manual_seed(seed + batch index)`, so a member's samples differ from the
+  ones it draws alone (the sequential path gives every member the same stream); the distribution is the
+  same.
 
 Memory: full rank stacks G copies of every trained tensor (G x parameters x dtype bytes, plus up to
 G - 1 more while the survivors of a batch are gathered; checked against the free memory first, with an
