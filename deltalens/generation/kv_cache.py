@@ -12,8 +12,8 @@ full-attention layers (exactly `DynamicLayer`) for `GrowingLayer`s; sliding-wind
 are left to transformers. Callers reserve one generation segment (`hf.SEGMENT`, 16 tokens): a buffer is
 regrown (one copy) once per segment instead of once per token, and holds at most a segment more than the
 tokens so far: reserving all of max_new_tokens up front would make every batch hold its whole token budget
-from the prefill on, while most rows end long before max_new_tokens and leave the batch. Rows that leave the batch (`batch_select_indices`) take
-their buffers with them (one gather, as before). Measured figures:
+from the prefill on, while most rows end long before max_new_tokens and leave the batch. Rows that leave
+the batch (`batch_select_indices`) take their buffers with them (one gather, as before). Measured figures:
 benchmarks/README.md ("bench_es.py").
 """
 
@@ -31,7 +31,9 @@ def cache_name() -> str:
     return "cache" if hasattr(generic, "_rename_kwargs_for_bc") else "past_key_values"
 
 
+@functools.cache
 def _growing_layer_class():
+    """The GrowingLayer class, made once on first use (transformers is imported lazily)."""
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
@@ -94,19 +96,13 @@ def _growing_layer_class():
     return GrowingLayer
 
 
-_GROWING = None  # the GrowingLayer class, made on first use (transformers imported lazily)
-
-
 def new_cache(config, reserve: int):
     """An empty `DynamicCache` for `config` whose full-attention layers write in place (`GrowingLayer`) with
     room for `reserve` tokens beyond whatever the first update brings."""
-    global _GROWING
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    if _GROWING is None:
-        _GROWING = _growing_layer_class()
-    layer = functools.partial(_GROWING, reserve=reserve)
+    layer = functools.partial(_growing_layer_class(), reserve=reserve)
     cache = DynamicCache(config=config)
     cache.layers = [layer() if type(old) is DynamicLayer else old for old in cache.layers]
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
