@@ -2,15 +2,15 @@
 
 transformers' `generate(do_sample=True)` ends each step with `torch.multinomial(probs, 1)`, which on the
 CPU draws an exponential variate for every (row, vocabulary entry): for SmolLM2's 49,152-token vocabulary at
-64 rows, 3.1M variates and ~58 ms a step on one core, about a quarter of a bf16 evaluation's time, more
-than the model's matmuls at that batch. We draw by inverse CDF instead, one uniform per row, in two levels:
+64 rows, 3.1M variates a step, more time than the model's matmuls at that batch (measured:
+benchmarks/README.md, "On AMX-BF16"). We draw by inverse CDF instead, one uniform per row, in two levels:
 
 1. probs = softmax(scores) (fp32, [rows, V]), padded to a multiple of BLOCK and viewed [rows, V / BLOCK, BLOCK];
 2. running sums inside each block (fp32, BLOCK terms), the blocks' totals summed across in fp64;
 3. u ~ U[0, 1) per row: the block whose fp64 interval holds u x total, then the entry of that block whose
    running-sum interval holds the rest (searchsorted, right-closed: an entry of probability 0 is never taken).
 
-~4 ms a step at 64 x 49,152 on one core. The draw is exact up to the fp32 rounding of the running sums
+The draw is exact up to the fp32 rounding of the running sums
 inside a block (each entry's probability off by at most BLOCK units in the last place of its block's mass,
 ~1.5e-5 of it at worst); the random stream differs from `torch.multinomial`'s, so seeded samples differ
 from those of earlier versions while their distribution does not (checked: tests/generation/test_sampling.py).
