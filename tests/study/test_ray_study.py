@@ -5,8 +5,9 @@ still does when the worker node's raylet is killed while it trains, and when the
 (`deltalens study --ray`) is killed and the same command is run again.
 
 Slow (each study takes minutes on 2 cores). Needs `run_study(..., executor=...)`; skipped until it has one.
-Equality needs the same torch thread count on both sides: Ray gives a task of 1 CPU OMP_NUM_THREADS=1,
-so run these with OMP_NUM_THREADS=1 as the project's test command does."""
+Equality needs the same torch thread count on both sides: Ray gives a task of 1 CPU OMP_NUM_THREADS=1, so
+the single-machine reference runs with one torch thread (on an AMX machine GRPO's fp32 gradients with 2
+threads differed from 1 thread's in the 8th digit, and the diff's norms with them)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ ray = pytest.importorskip("ray")
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from support import tiny_spec
 
+from deltalens.analysis.delta import torch_threads
 from deltalens.study import run as study_run
 from deltalens.study.config import StudyConfig
 from deltalens.study.ray_executor import RayExecutor
@@ -54,7 +56,8 @@ def single_machine(tmp_path_factory):
     """The study run here, in this process (LocalExecutor): the reference, as returned and as written
     (analysis.json holds null where the returned document holds NaN)."""
     out = tmp_path_factory.mktemp("local") / "study"
-    doc = study_run.run_study(StudyConfig(model=tiny_spec(), **SMALL), out, log=lambda s: None)
+    with torch_threads(1):  # what Ray gives a 1-CPU task: GRPO's gradients (matmuls) round by thread count
+        doc = study_run.run_study(StudyConfig(model=tiny_spec(), **SMALL), out, log=lambda s: None)
     return {"doc": comparable(json.loads(json.dumps(doc))),
             "file": comparable(json.loads((out / "analysis.json").read_text()))}
 
