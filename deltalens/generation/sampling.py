@@ -5,18 +5,23 @@ CPU draws an exponential variate for every (row, vocabulary entry): for SmolLM2'
 64 rows, 3.1M variates a step, more time than the model's matmuls at that batch (measured:
 benchmarks/README.md, "On AMX-BF16"). We draw by inverse CDF instead, one uniform per row, in two levels:
 
-1. probs = softmax(scores) (fp32, [rows, V]), padded to a multiple of BLOCK and viewed [rows, V / BLOCK, BLOCK];
-2. running sums inside each block (fp32, BLOCK terms), the blocks' totals summed across in fp64;
-3. u ~ U[0, 1) per row: the block whose fp64 interval holds u x total, then the entry of that block whose
+1. p = exp((scores - max) / T) (fp32, [rows, V]), unnormalised, computed in place in the scores (0 where
+   it would be below e^-87, under fp32's normal range);
+2. running sums inside each block of BLOCK entries (fp32, in place; the last block may be partial), the
+   blocks' totals summed across in fp64;
+3. u ~ U[0, total) per row: the block whose fp64 interval holds u, then the entry of that block whose
    running-sum interval holds the rest (searchsorted, right-closed: an entry of probability 0 is never taken).
 
 The draw is exact up to the fp32 rounding of the running sums
 inside a block (each entry's probability off by at most BLOCK units in the last place of its block's mass,
 ~1.5e-5 of it at worst); the random stream differs from `torch.multinomial`'s, so seeded samples differ
 from those of earlier versions while their distribution does not (checked: tests/generation/test_sampling.py).
+Working in place matters as much as the single uniform: a step that allocates and passes over [rows, V]
+tensors several times (temperature, softmax, running sums, the output) cost ~4x this one (measured:
+benchmarks/bench_sampler.py).
 
-`sampling_kwargs` wires it into `generate`: greedy selection (`do_sample=False`) over logits processors
-that apply the temperature, top-p where asked, and then this draw, which leaves 0 at the drawn token and
+`sampling_kwargs` wires it into `generate`: greedy selection (`do_sample=False`) over logits processors:
+the draw with the temperature inside it, or, with top-p, temperature and top-p first and then the draw, which leaves 0 at the drawn token and
 -inf elsewhere, so the argmax is the sample. Greedy decoding (T = 0) is untouched.
 """
 
@@ -28,32 +33,55 @@ import torch.nn.functional as F
 BLOCK = 256  # vocabulary entries per block of the two-level draw
 
 
-def inverse_cdf_draw(scores: torch.Tensor) -> torch.Tensor:
-    """[rows] token ids, each drawn from softmax(scores[row]) (scores [rows, V], any float dtype) with the
-    global torch generator."""
-    p = torch.softmax(scores.float(), dim=-1)
-    rows, vocab = p.shape
-    blocks = -(-vocab // BLOCK)
-    if blocks * BLOCK != vocab:
-        p = F.pad(p, (0, blocks * BLOCK - vocab))
-    inner = p.view(rows, blocks, BLOCK).cumsum(-1)  # running sums inside each block
-    outer = inner[:, :, -1].double().cumsum(-1)  # [rows, blocks]: running block totals
+def inverse_cdf_draw_(scores: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[rows] token ids, each drawn from softmax(scores[row] / temperature) with the global torch generator,
+    computed in place: `scores` ([rows, V], fp32, contiguous) is left holding running sums of
+    exp((scores - max) / temperature), unnormalised (the draw scales u by each row's total instead)."""
+    rows, vocab = scores.shape
+    m = scores.amax(-1, keepdim=True)
+    # unnormalised probabilities, in place; below e^-87 of the row's largest (under fp32's normal range)
+    # they are made 0 first: exp is ~10x slower on such arguments than on -inf (measured: bench_sampler.py)
+    p = F.threshold_(scores.sub_(m).mul_(1.0 / temperature), -87.0, float("-inf")).exp_()
+    full, rem = divmod(vocab, BLOCK)
+    head = p[:, : full * BLOCK].view(rows, full, BLOCK).cumsum_(-1)  # running sums inside each full block
+    tail = p[:, full * BLOCK:].cumsum_(-1)  # the last, partial block (rem entries; empty when rem == 0)
+    totals = [head[:, :, -1]] + ([tail[:, -1:]] if rem else [])
+    outer = torch.cat(totals, 1).double().cumsum_(-1)  # [rows, blocks]: running block totals
+    blocks = outer.shape[1]
     u = torch.rand(rows, 1, dtype=torch.float64, device=p.device) * outer[:, -1:]
     b = torch.searchsorted(outer, u, right=True).clamp_(max=blocks - 1)  # [rows, 1]
     before = torch.where(b > 0, outer.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(u))
-    within = inner.gather(1, b.unsqueeze(-1).expand(rows, 1, BLOCK)).squeeze(1).double()  # [rows, BLOCK]
+    if full:
+        within = head.gather(1, b.clamp(max=full - 1).unsqueeze(-1).expand(rows, 1, BLOCK)).squeeze(1)
+    if rem:  # the partial block padded with its last running sum (never drawn: `rest` stays below it)
+        last = torch.cat([tail, tail[:, -1:].expand(rows, BLOCK - rem)], 1)
+        within = torch.where(b == full, last, within) if full else last
+    within = within.double()  # [rows, BLOCK]
     # the rest of u inside the block, kept below its last running sum (fp64 vs fp32 sums may differ by an ulp)
     rest = torch.minimum(u - before, within[:, -1:] * (1 - 2.0**-40))
     return (b * BLOCK + torch.searchsorted(within, rest, right=True)).squeeze(1)
 
 
+def inverse_cdf_draw(scores: torch.Tensor) -> torch.Tensor:
+    """[rows] token ids, each drawn from softmax(scores[row]) (scores [rows, V], any float dtype, left as
+    it is) with the global torch generator."""
+    return inverse_cdf_draw_(scores.to(dtype=torch.float32, copy=True).contiguous())
+
+
 class InverseCDFSampler:
-    """A transformers logits processor: 0 at a token drawn from softmax(scores), -inf elsewhere."""
+    """A transformers logits processor: 0 at a token drawn from softmax(scores / temperature), -inf
+    elsewhere. It writes into the scores it is given (fp32): `generate` hands the processors its own copy
+    of the last position's logits (which it would also return with output_logits=True, so we never ask
+    for them), and each earlier processor here (temperature, top-p) returns a new tensor."""
+
+    def __init__(self, temperature: float = 1.0):
+        self.temperature = temperature
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        ids = inverse_cdf_draw(scores)
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, ids.unsqueeze(1), 0.0)
+        if scores.dtype != torch.float32 or not scores.is_contiguous():
+            scores = scores.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
+        ids = inverse_cdf_draw_(scores, self.temperature)
+        return scores.fill_(float("-inf")).scatter_(1, ids.unsqueeze(1), 0.0)
 
 
 def sampling_kwargs(temperature: float, top_p: float = 1.0) -> dict:
@@ -64,7 +92,7 @@ def sampling_kwargs(temperature: float, top_p: float = 1.0) -> dict:
     off = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     if temperature <= 0:
         return off
-    procs = [TemperatureLogitsWarper(temperature)]
-    if top_p < 1:
-        procs.append(TopPLogitsWarper(top_p))
-    return {**off, "logits_processor": LogitsProcessorList([*procs, InverseCDFSampler()])}
+    if top_p >= 1:  # the temperature applied inside the draw: no [rows, V] tensor beside generate's own
+        return {**off, "logits_processor": LogitsProcessorList([InverseCDFSampler(temperature)])}
+    procs = [TemperatureLogitsWarper(temperature), TopPLogitsWarper(top_p), InverseCDFSampler()]
+    return {**off, "logits_processor": LogitsProcessorList(procs)}

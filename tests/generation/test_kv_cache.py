@@ -5,6 +5,8 @@ fp32 and bf16, HF backend and ES population batching); sliding-window layers lef
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 from support import small_llama, tiny_spec
@@ -132,3 +134,21 @@ def test_population_batching_same_with_either_cache(tiny, monkeypatch, noise):
     monkeypatch.setattr(pop_mod, "new_cache", plain_cache)
     pop_mod.evaluate_batched(eng, 1, range(8), problems, new_timing())
     assert seen == ours and len({tuple(c) for c in ours}) > 1
+
+
+def _bound_in_subprocess(env_extra: dict) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | env_extra
+    code = ("from deltalens.generation.kv_cache import bound_heap_growth as b, new_cache as n; "
+            "from support import small_llama; n(small_llama()[0].config, 1); print(b())")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(__file__) + "/..").stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+def test_the_first_cache_fixes_glibcs_mmap_threshold_unless_the_environment_sets_it():
+    assert _bound_in_subprocess({}) == "True"
+    assert _bound_in_subprocess({"MALLOC_MMAP_THRESHOLD_": "65536"}) == "False"

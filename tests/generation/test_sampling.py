@@ -12,7 +12,7 @@ import torch
 from support import small_llama
 
 from deltalens.generation import HFBackend, SamplingParams
-from deltalens.generation.sampling import BLOCK, inverse_cdf_draw, sampling_kwargs
+from deltalens.generation.sampling import BLOCK, InverseCDFSampler, inverse_cdf_draw, sampling_kwargs
 
 
 @pytest.mark.parametrize("vocab", [3, BLOCK, 3 * BLOCK + 17])
@@ -28,8 +28,34 @@ def test_draws_follow_the_distribution(vocab):
     freq = torch.bincount(ids, minlength=vocab).double() / n
     assert freq.shape[0] == vocab  # nothing past the vocabulary (the padding of the last block)
     assert float(freq[probs == 0].sum()) == 0.0
-    se = (probs.double() * (1 - probs.double()) / n).sqrt()
-    assert bool(((freq - probs.double()).abs() <= 5 * se + 1e-12).all())
+    q = probs.double()
+    common = q * n >= 25  # entries expected >= 25 times one by one, the rarer ones pooled
+    f, q = torch.cat([freq[common], freq[~common].sum(0, keepdim=True)]), \
+        torch.cat([q[common], q[~common].sum(0, keepdim=True)])
+    assert bool(((f - q).abs() <= 5 * (q * (1 - q) / n).sqrt() + 1e-12).all())
+
+
+@pytest.mark.parametrize("vocab", [5, 2 * BLOCK + 40])
+def test_the_processor_applies_the_temperature_in_place(vocab):
+    """What `generate` runs without top-p: softmax(scores / T) drawn inside the fp32 scores it is given
+    (no [rows, V] tensor of its own), the partial last block included."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(vocab, generator=g) * 2
+    logits[-1] = logits.max() + 0.5  # the last entry (in the partial block) the likeliest
+    probs = (logits.double() / 0.7).softmax(-1)
+    n = 200_000
+    scores = logits.expand(n, vocab).contiguous()
+    torch.manual_seed(0)
+    out = InverseCDFSampler(0.7)(None, scores)
+    assert out.data_ptr() == scores.data_ptr()  # written in place
+    assert bool(((out == 0).sum(-1) == 1).all()) and bool((out.amax(-1) == 0).all())
+    freq = torch.bincount(out.argmax(-1), minlength=vocab).double() / n
+    # entries expected >= 25 times one by one, the rarer ones pooled (a normal bound needs counts)
+    common = probs * n >= 25
+    f, q = torch.cat([freq[common], freq[~common].sum(0, keepdim=True)]), \
+        torch.cat([probs[common], probs[~common].sum(0, keepdim=True)])
+    assert bool(((f - q).abs() <= 5 * (q * (1 - q) / n).sqrt() + 1e-12).all())
+    assert len(sampling_kwargs(0.7)["logits_processor"]) == 1  # the temperature is inside the draw
 
 
 def test_one_allowed_token_is_always_drawn():
