@@ -49,7 +49,7 @@ import torch
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, token_budget
 from deltalens.generation.dtype import compute_copy, resolve_compute_dtype, sync_copy
-from deltalens.generation.kv_cache import cache_name, new_cache
+from deltalens.generation.kv_cache import cache_name, new_cache, release_freed_memory
 from deltalens.generation.params import SamplingParams
 from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
 from deltalens.generation.sampling import sampling_kwargs
@@ -117,6 +117,7 @@ class HFBackend:
             for b, chunk in enumerate(batches):
                 torch.manual_seed(params.seed + b)
                 rows = self._generate_batch(runner, [i for i, _ in chunk], enc, params)
+                release_freed_memory()  # the batch's cache and logits, back to the OS (`kv_cache`)
                 for (i, j), row in zip(chunk, rows):
                     out[i][j] = self.tok.decode(row, skip_special_tokens=True)
                 if progress is not None:

@@ -16,12 +16,13 @@ from the prefill on, while most rows end long before max_new_tokens and leave th
 the batch (`batch_select_indices`) take their buffers with them (one gather, as before). Measured figures:
 benchmarks/README.md ("bench_es.py").
 
-Buffers that grow and shrink like these fragment glibc's heap: glibc serves a request from the heap once a
-chunk of its size has been freed (its mmap threshold rises to it, up to 32 MiB), and a heap does not return
-the memory between live chunks, so resident memory kept growing from one batch (and one temperature) to
-the next. The first `new_cache` of a process therefore fixes glibc's mmap threshold at `MMAP_THRESHOLD`
-(4 MiB): a KV buffer or a [rows, vocabulary] logits tensor is mapped for its life and unmapped when freed.
-A MALLOC_MMAP_THRESHOLD_ set in the environment is left as it is; other C libraries are left alone.
+Buffers that grow and shrink like these are served from glibc's heap once glibc has seen a chunk of their
+size freed (its mmap threshold rises to it, up to 32 MiB), and a heap keeps freed pages resident until it is
+trimmed: resident memory then grew from batch to batch and from one temperature to the next. Each
+generation loop therefore calls `release_freed_memory()` after a batch (glibc's malloc_trim: the free
+pages go back to the OS, one call per batch, not per step; a no-op under other C libraries). Fixing the
+mmap threshold instead (4 MiB) bounded memory as well, but mapped the logits afresh every decoding step:
+in a process that also held a vLLM engine (its NUMA memory binding) that halved HF's bf16 tokens/s.
 """
 
 from __future__ import annotations
@@ -29,25 +30,25 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 
 import torch
 
-MMAP_THRESHOLD = 4 * 2**20  # bytes: glibc maps allocations of at least this size (see the module doc)
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
-
 
 @functools.cache
-def bound_heap_growth() -> bool:
-    """Fix glibc's mmap threshold at `MMAP_THRESHOLD`, once per process; False where the C library is not
-    glibc or MALLOC_MMAP_THRESHOLD_ is set (then nothing is changed)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
+def _libc():
+    """glibc, or None under another C library."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.gnu_get_libc_version and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
+        return libc
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim(0)); False where there is no glibc."""
+    libc = _libc()
+    return bool(libc is not None and libc.malloc_trim(0) >= 0)
 
 
 def cache_name() -> str:
@@ -128,7 +129,6 @@ def new_cache(config, reserve: int):
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    bound_heap_growth()
     layer = functools.partial(_growing_layer_class(), reserve=reserve)
     cache = DynamicCache(config=config)
     cache.layers = [layer() if type(old) is DynamicLayer else old for old in cache.layers]

@@ -13,6 +13,7 @@ from support import small_llama, tiny_spec
 
 from deltalens.generation import HFBackend, SamplingParams, kv_cache
 from deltalens.generation import hf as hf_mod
+from deltalens.generation.batching import length_batches
 
 
 def plain_cache(config, reserve):
@@ -136,19 +137,16 @@ def test_population_batching_same_with_either_cache(tiny, monkeypatch, noise):
     assert seen == ours and len({tuple(c) for c in ours}) > 1
 
 
-def _bound_in_subprocess(env_extra: dict) -> str:
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | env_extra
-    code = ("from deltalens.generation.kv_cache import bound_heap_growth as b, new_cache as n; "
-            "from support import small_llama; n(small_llama()[0].config, 1); print(b())")
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                          cwd=os.path.dirname(__file__) + "/..").stdout.strip().splitlines()[-1]
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
-def test_the_first_cache_fixes_glibcs_mmap_threshold_unless_the_environment_sets_it():
-    assert _bound_in_subprocess({}) == "True"
-    assert _bound_in_subprocess({"MALLOC_MMAP_THRESHOLD_": "65536"}) == "False"
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim only")
+def test_every_batch_gives_its_freed_memory_back(monkeypatch):
+    """After each batch of HF generation and of ES population batching the heap is trimmed (glibc's
+    malloc_trim), so memory freed by one batch's cache does not stay resident into the next."""
+    assert kv_cache.release_freed_memory() is True
+    calls = []
+    monkeypatch.setattr(hf_mod, "release_freed_memory", lambda: calls.append("hf"))
+    model, tok = small_llama(seed=0)
+    be = HFBackend(model, tok, batch_tokens=40)  # a few rows per batch: several batches
+    prompts, params = ["1+2=", "3+4=", "10+20=", "7+8="], SamplingParams(n=2, temperature=0.6, max_new_tokens=4)
+    be.generate(prompts, params)
+    batches = list(length_batches([len(e) for e in be.encode(prompts)], 2, 4, 40, be.max_batch))
+    assert len(batches) >= 2 and calls == ["hf"] * len(batches)

@@ -78,7 +78,7 @@ from torch import nn
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches
-from deltalens.generation.kv_cache import cache_name, new_cache
+from deltalens.generation.kv_cache import cache_name, new_cache, release_freed_memory
 from deltalens.generation.prompts import problem_prompts
 from deltalens.generation.sampling import sampling_kwargs
 
@@ -375,6 +375,8 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
                 live = [live[k] for k in keep]
         finally:
             hf_logging.set_verbosity(verbosity)
+        cache = res = None  # this batch's cache and outputs freed before the trim
+        release_freed_memory()  # the batch's cache and logits, back to the OS (`kv_cache`)
     return out
 
 
