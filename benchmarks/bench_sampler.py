@@ -16,7 +16,6 @@ Prints JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ def best_ms(fn, n: int = 30) -> float:
 
 def main(argv=None) -> None:
     import torch
+    from bench_generation import emit
     from transformers import TemperatureLogitsWarper
 
     from deltalens.generation.sampling import inverse_cdf_draw, sampling_kwargs
@@ -67,10 +67,7 @@ def main(argv=None) -> None:
         "transformers_multinomial": best_ms(lambda: torch.multinomial(warp(None, fp32()).softmax(-1), 1)),
         "draw_separate_passes": best_ms(separate),
         "draw_in_place": best_ms(lambda: procs(None, fp32()).argmax(-1))}
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(res, args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 def main(argv=None) -> None:
     import torch
     import torch.nn.functional as F
+    from bench_generation import emit
 
     from deltalens.io.models import load_model
     from deltalens.training.es.backends import LocalBackend
@@ -122,10 +122,7 @@ def main(argv=None) -> None:
            "seconds": {k: round(v, 3) for k, v in sorted(secs.items())},
            "decode_sdpa_ms_per_call_by_key_length": {f"{k}-{k + 19}": round(1e3 * sum(v) / len(v), 3)
                                                      for k, v in sorted(sdpa_calls.items())}}
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(res, args.out)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,17 @@ benchmarks/README.md, "On AMX-BF16"). We draw by inverse CDF instead, one unifor
 3. u ~ U[0, total) per row: the block whose fp64 interval holds u, then the entry of that block whose
    running-sum interval holds the rest (searchsorted, right-closed: an entry of probability 0 is never taken).
 
-The draw is exact up to the fp32 rounding of the running sums
-inside a block (each entry's probability off by at most BLOCK units in the last place of its block's mass,
-~1.5e-5 of it at worst); the random stream differs from `torch.multinomial`'s, so seeded samples differ
-from those of earlier versions while their distribution does not (checked: tests/generation/test_sampling.py).
-Working in place matters as much as the single uniform: a step that allocates and passes over [rows, V]
-tensors several times (temperature, softmax, running sums, the output) cost ~4x this one (measured:
-benchmarks/bench_sampler.py).
+The draw is exact up to the fp32 rounding of the running sums inside a block (each entry's probability
+off by at most BLOCK units in the last place of its block's mass, ~1.5e-5 of it at worst); the random
+stream differs from `torch.multinomial`'s, so seeded samples differ from those of earlier versions while
+their distribution does not (checked: tests/generation/test_sampling.py). Working in place matters as much
+as the single uniform: a step that allocates and passes over [rows, V] tensors several times
+(temperature, the draw, the output) cost ~3x this one (measured: benchmarks/bench_sampler.py).
 
 `sampling_kwargs` wires it into `generate`: greedy selection (`do_sample=False`) over logits processors:
-the draw with the temperature inside it, or, with top-p, temperature and top-p first and then the draw, which leaves 0 at the drawn token and
--inf elsewhere, so the argmax is the sample. Greedy decoding (T = 0) is untouched.
+the draw with the temperature inside it, or, with top-p, temperature and top-p first and then the draw.
+The draw leaves 0 at the drawn token and -inf elsewhere, so the argmax is the sample. Greedy decoding
+(T = 0) is untouched.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def inverse_cdf_draw_(scores: torch.Tensor, temperature: float = 1.0) -> torch.T
 def inverse_cdf_draw(scores: torch.Tensor) -> torch.Tensor:
     """[rows] token ids, each drawn from softmax(scores[row]) (scores [rows, V], any float dtype, left as
     it is) with the global torch generator."""
-    return inverse_cdf_draw_(scores.to(dtype=torch.float32, copy=True).contiguous())
+    return inverse_cdf_draw_(scores.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True))
 
 
 class InverseCDFSampler:

@@ -15,6 +15,15 @@ from deltalens.generation import HFBackend, SamplingParams
 from deltalens.generation.sampling import BLOCK, InverseCDFSampler, inverse_cdf_draw, sampling_kwargs
 
 
+def within_5se(freq: torch.Tensor, probs: torch.Tensor, n: int) -> bool:
+    """Observed frequencies (of n draws) within 5 standard errors of `probs` (fp64): entries expected >= 25
+    times one by one, the rarer ones pooled (a normal bound needs counts)."""
+    common = probs * n >= 25
+    f = torch.cat([freq[common], freq[~common].sum(0, keepdim=True)])
+    q = torch.cat([probs[common], probs[~common].sum(0, keepdim=True)])
+    return bool(((f - q).abs() <= 5 * (q * (1 - q) / n).sqrt() + 1e-12).all())
+
+
 @pytest.mark.parametrize("vocab", [3, BLOCK, 3 * BLOCK + 17])
 def test_draws_follow_the_distribution(vocab):
     g = torch.Generator().manual_seed(vocab)
@@ -28,11 +37,7 @@ def test_draws_follow_the_distribution(vocab):
     freq = torch.bincount(ids, minlength=vocab).double() / n
     assert freq.shape[0] == vocab  # nothing past the vocabulary (the padding of the last block)
     assert float(freq[probs == 0].sum()) == 0.0
-    q = probs.double()
-    common = q * n >= 25  # entries expected >= 25 times one by one, the rarer ones pooled
-    f, q = torch.cat([freq[common], freq[~common].sum(0, keepdim=True)]), \
-        torch.cat([q[common], q[~common].sum(0, keepdim=True)])
-    assert bool(((f - q).abs() <= 5 * (q * (1 - q) / n).sqrt() + 1e-12).all())
+    assert within_5se(freq, probs.double(), n)
 
 
 @pytest.mark.parametrize("vocab", [5, 2 * BLOCK + 40])
@@ -50,11 +55,7 @@ def test_the_processor_applies_the_temperature_in_place(vocab):
     assert out.data_ptr() == scores.data_ptr()  # written in place
     assert bool(((out == 0).sum(-1) == 1).all()) and bool((out.amax(-1) == 0).all())
     freq = torch.bincount(out.argmax(-1), minlength=vocab).double() / n
-    # entries expected >= 25 times one by one, the rarer ones pooled (a normal bound needs counts)
-    common = probs * n >= 25
-    f, q = torch.cat([freq[common], freq[~common].sum(0, keepdim=True)]), \
-        torch.cat([probs[common], probs[~common].sum(0, keepdim=True)])
-    assert bool(((f - q).abs() <= 5 * (q * (1 - q) / n).sqrt() + 1e-12).all())
+    assert within_5se(freq, probs, n)
     assert len(sampling_kwargs(0.7)["logits_processor"]) == 1  # the temperature is inside the draw
 
 
