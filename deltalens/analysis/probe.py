@@ -15,8 +15,11 @@ never at test):
   each temperature; the verdict, the headline Pass@K / mean reward / format rate and the examples are the
   signal temperature's (`signal_temperature`: GRPO's 1.0 when probed, else the first listed);
 - ES signal: `es_populations` populations of `es_members` perturbed models (the model's ES preset σ,
-  antithetic as the preset says) scored greedily on `es_prompts` training prompts each, and the share of
-  populations whose member rewards are not all equal;
+  antithetic and noise family as the preset says) scored greedily on `es_prompts` training prompts each,
+  through the local backend `deltalens train es` uses, and the share of populations whose member rewards
+  are not all equal. Members are scored one by one even where the preset batches them: a batch of 8
+  members holds 8 members' KV cache (SmolLM2, 8 x 16 prompts: the probe peaked at 2.6 GB against
+  1.9 GB), and greedy rewards do not depend on the batching (`deltalens.training.es.population`);
 
 and ends in a one-line verdict. It is a cheap necessary condition, not a promise that training helps.
 
@@ -30,7 +33,12 @@ Memory: the sampled pass keeps only completion strings and rewards (the strings 
 temperature only: the others are summarised and dropped); its batches hold at most the HF
 backend's token budget of KV cache (`deltalens.generation.batching`: 512 MiB by default), so peak memory
 does not grow with limit x samples (before that budget, 50 x 16 on SmolLM2 went into one batch of 800
-rows and peaked at 7.2 GB resident). `compute_dtype` is the HF passes' (`deltalens.generation.dtype`).
+rows and peaked at 7.2 GB resident). `compute_dtype` is the HF passes' and the ES populations'
+(`deltalens.generation.dtype`; for ES, `ESConfig.compute_dtype`'s rule: with bf16 compute each member is
+written into the bf16 copy and the fp32 weights are never perturbed, so no restore copy of them is
+taken). With bf16 compute the HF passes need no fp32 weights: the loaded model is cast in place
+(`cast_in_place`, the bits of the bf16 copy) and the ES populations load the fp32 weights again (SmolLM2:
+~12 s more, 538 MB less while sampling). benchmarks/README.md has the measured peaks.
 
 Every numeric and named setting is checked up front (`check_probe_options`), before a task's data is read
 or a model loads, with a one-line error naming the option: a group must hold at least two samples (one
@@ -48,10 +56,11 @@ from deltalens.analysis.options import PROBE_TEMPERATURES
 from deltalens.errors import DeltalensError
 from deltalens.evaluation.passk import summarize
 from deltalens.generation import BACKENDS, SamplingParams, backend_for_spec
-from deltalens.generation.dtype import check_compute_dtype
+from deltalens.generation.dtype import cast_in_place, check_compute_dtype
 from deltalens.generation.prompts import CHAT_MODES, problem_prompts
 from deltalens.io.models import load_model
 from deltalens.tasks import Task
+from deltalens.training.es.backends.local import LocalBackend
 from deltalens.training.es.config import ESConfig
 from deltalens.training.es.engine import ESEngine
 from deltalens.training.es.strategy import iteration_problems
@@ -169,17 +178,20 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
     max_new = max_new_tokens or task.max_new_tokens
     cfg = None
     if es_populations > 0:
-        # the preset's population batching, capped at the probe's population (smollm2: 16 > 8 members)
-        batch = min(ESConfig.preset(es_preset).population_batch, es_members)
-        cfg = ESConfig.preset(es_preset, model=model_spec, population=es_members, population_batch=batch,
+        # members one by one whatever the preset batches (memory over speed: module doc)
+        cfg = ESConfig.preset(es_preset, model=model_spec, population=es_members, population_batch=0,
                               prompts_per_iteration=es_prompts, max_new_tokens=max_new_tokens, seed=seed,
-                              chat_template=chat_template, **({"sigma": es_sigma} if es_sigma is not None else {}))
+                              chat_template=chat_template, compute_dtype=compute_dtype,
+                              **({"sigma": es_sigma} if es_sigma is not None else {}))
         if cfg.antithetic and es_members % 2:
             raise DeltalensError(f"the {es_preset} ES preset uses antithetic pairs: --es-members must be even")
     t0 = time.perf_counter()
     # vLLM loads its own weights (model None); the HF copy is then loaded only for the ES populations
     gen, model, tok = backend_for_spec(backend, model_spec, dtype=dtype, device="cpu", chat_template=chat_template,
                                        compute_dtype=compute_dtype)
+    if model is not None and gen.dtype != next(model.parameters()).dtype:
+        cast_in_place(model, gen.dtype)  # the passes need no fp32 weights: no second copy (module doc)
+        model = None  # the ES populations load the fp32 weights again
     try:
         sampled, greedy, comps, prompts = _passes(gen, task, problems, samples, group, temps, signal_t, max_new,
                                                   seed, log, progress_factory)
@@ -197,15 +209,17 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
         if model is None:
             model, tok = load_model(model_spec, dtype=dtype)
         engine = ESEngine(model, tok, task, cfg)
+        members = LocalBackend(engine)  # one by one or population-batched, as `train es` evaluates them
         pops = []
         try:
             for it in range(1, es_populations + 1):
                 log(f"ES population {it}/{es_populations}: {es_members} members x {es_prompts} prompts")
-                r = engine.evaluate_members(it, range(es_members), iteration_problems(task, cfg, it))
-                pops.append([r[m] for m in range(es_members)])
+                rewards_it, _ = members.evaluate(it, iteration_problems(task, cfg, it))
+                pops.append(rewards_it)
         finally:
             engine.close()
         es = {"members": es_members, "prompts": es_prompts, "sigma": cfg.sigma, "preset": es_preset,
+              "compute_dtype": engine.compute_dtype, "population_batch": cfg.population_batch,
               "populations": len(pops), "rewards": pops,
               "share_with_signal": sum(_distinct(p) for p in pops) / len(pops),
               "mean_reward_std": sum((sum((x - sum(p) / len(p)) ** 2 for x in p) / len(p)) ** 0.5

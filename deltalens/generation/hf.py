@@ -42,6 +42,7 @@ does a row leaving the batch (the later draws of the batch go to fewer rows).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -79,21 +80,34 @@ class HFBackend:
                                            torch.float32 if param is None else param.dtype,
                                            getattr(getattr(model, "config", None), "hidden_size", None))
         self.compute_model = None
+        self._as_is = False  # `as_is`: generate on the compute copy without refreshing it
         if batch_tokens is None:
             batch_tokens = token_budget(getattr(model, "config", None), self.dtype,
                                         **({} if kv_bytes is None else {"kv_bytes": kv_bytes}))
         self.batch_tokens = batch_tokens
 
     def runner(self):
-        """The module that generates: the master itself, or its compute copy refreshed from the master."""
+        """The module that generates: the master itself, or its compute copy refreshed from the master
+        (left as it is inside `as_is`)."""
         param = next(self.model.parameters(), None)
         if param is None or self.dtype == param.dtype:
             return self.model
         if self.compute_model is None:
             self.compute_model = compute_copy(self.model, self.dtype)
-        else:
+        elif not self._as_is:
             sync_copy(self.model, self.compute_model)
         return self.compute_model
+
+    @contextlib.contextmanager
+    def as_is(self):
+        """Within the block, `generate` runs on the compute copy as it stands, without refreshing it from
+        the master: ES writes a member into the copy (`ESEngine.evaluate_members`) and leaves the master
+        alone."""
+        self._as_is = True
+        try:
+            yield
+        finally:
+            self._as_is = False
 
     def format(self, prompt: Prompt) -> str:
         return format_prompt(self.tok, prompt, self.chat)

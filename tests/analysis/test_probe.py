@@ -46,7 +46,29 @@ def test_cli_json(tmp_path):
 
 def test_preset_population_batch_is_capped_at_the_probe_population():
     """The smollm2 ES preset batches 16 members; the probe's populations are smaller (default 8) and must
-    still run (before, `deltalens probe smollm2` stopped with "population_batch 16 exceeds the population 8")."""
+    still run (before, `deltalens probe smollm2` stopped with "population_batch 16 exceeds the population 8";
+    the probe now scores members one by one)."""
     res = probe(tiny_spec(), get_task("arith"), limit=2, samples=2, group=2, es_members=4, es_prompts=2,
                 es_populations=1, es_preset="smollm2", max_new_tokens=8)
     assert res["es"]["members"] == 4 and len(res["es"]["rewards"][0]) == 4
+
+
+def test_es_populations_score_members_one_by_one_in_the_probes_compute_dtype(monkeypatch):
+    """The probe's ES populations go through `train es`'s local backend, one member at a time even where the
+    preset batches them (smollm2: population-batched; a batch holds every member's KV cache), in the probe's
+    compute dtype; with bf16 compute members are written into the bf16 copy, so the fp32 weights are never
+    perturbed and no restore copy of them is taken."""
+    from deltalens.training.es import population
+    from deltalens.training.es.engine import ESEngine
+
+    batched, engines = [], []
+    monkeypatch.setattr("deltalens.training.es.backends.local.evaluate_batched",
+                        lambda *a, **k: batched.append(a) or population.evaluate_batched(*a, **k))
+    close = ESEngine.close
+    monkeypatch.setattr(ESEngine, "close", lambda self: engines.append((self, self.es.base)) or close(self))
+    res = probe(tiny_spec(), get_task("arith"), limit=2, samples=2, group=2, es_members=4, es_prompts=4,
+                es_populations=2, es_preset="smollm2", max_new_tokens=8, compute_dtype="bf16")
+    assert not batched and res["es"]["population_batch"] == 0 and res["es"]["compute_dtype"] == "bf16"
+    assert [len(r) for r in res["es"]["rewards"]] == [4, 4]
+    (_engine, base), = engines
+    assert base is None  # no restore copy was ever taken

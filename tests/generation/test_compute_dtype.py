@@ -126,7 +126,10 @@ def test_bf16_generation_leaves_master_bit_identical(tied):
     assert checksum(model) == before
     assert all(p.dtype == torch.float32 for p in model.parameters())
     cm = be.compute_model
-    assert cm is not model and all(q.dtype == torch.bfloat16 for q in cm.parameters())
+    kept = cd.master_dtype_params(cm)  # the norm layers' weights stay fp32 (module doc)
+    assert kept == {n for n, _ in cm.named_parameters() if "norm" in n}
+    assert cm is not model and all(q.dtype == (torch.float32 if n in kept else torch.bfloat16)
+                                   for n, q in cm.named_parameters())
     assert {p.data_ptr() for p in model.parameters()}.isdisjoint(q.data_ptr() for q in cm.parameters())
     assert all(b.dtype == torch.float32 for b in cm.buffers() if b.is_floating_point())  # rotary: not cast
     if tied:
@@ -215,3 +218,48 @@ def test_weights_loaded_in_bf16_get_the_contiguous_head_and_fp32_does_not():
     fp32, _ = load_model("tiny")
     assert len(bf16.get_output_embeddings()._forward_pre_hooks) == 1
     assert not fp32.get_output_embeddings()._forward_pre_hooks
+
+
+def test_bf16_compute_copy_keeps_norm_weights_fp32_and_rounds_their_output_once():
+    """A norm layer of the bf16 copy: its fp32 weight times the bf16-rounded normalised input, rounded once
+    to bf16 (the next layer's dtype); a perturbation under half a bf16 step of the weight reaches it."""
+    model, _ = small_llama(hidden=64, heads=4, kv_heads=2, intermediate=128)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1e-3 * torch.randn(64, generator=torch.Generator().manual_seed(1)))
+    cm = cd.compute_copy(model, torch.bfloat16)
+    norm = cm.model.norm
+    assert norm.weight.dtype == torch.float32 and torch.equal(norm.weight, model.model.norm.weight)
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        y = norm(x)
+        h = x.float()
+        want = (norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+                .to(torch.bfloat16)).to(torch.bfloat16)
+        rounded = (norm.weight.to(torch.bfloat16) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) +
+                                                                     norm.variance_epsilon)).to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    assert not torch.equal(y, rounded)  # what a bf16 weight gives: the 1e-3 perturbation partly rounded away
+    with torch.no_grad():
+        logits = cm(torch.tensor([[1, 4, 7, 2]])).logits
+    assert torch.isfinite(logits.float()).all()  # the whole forward runs: every matmul gets a bf16 input
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cast_in_place_gives_the_compute_copys_bits(tied):
+    """`cast_in_place` (the probe's passes, which need no fp32 weights) makes the model what `compute_copy`
+    makes of it: same dtypes (norm weights fp32), same parameters, same logits, ties kept."""
+    model, tok = small_llama(tied=tied, hidden=64, heads=4, kv_heads=2, intermediate=128)
+    cm = cd.compute_copy(model, torch.bfloat16)
+    ids = torch.tensor([[1, 4, 7, 2, 9]])
+    with torch.no_grad():
+        want = cm(ids).logits
+        cd.cast_in_place(model, torch.bfloat16)
+        got = model(ids).logits
+    for (n, p), q in zip(model.named_parameters(), cm.parameters(), strict=True):
+        assert p.dtype == q.dtype and torch.equal(p, q), n
+    assert any(p.dtype == torch.float32 for p in model.parameters())  # the norm weights
+    assert torch.equal(got, want)
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    be = HFBackend(model, tok, compute_dtype="bf16")
+    assert be.runner() is model  # generates on itself: no second copy

@@ -46,7 +46,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend, SamplingParams
-from deltalens.generation.dtype import resolve_compute_dtype
+from deltalens.generation.dtype import master_dtype_params, resolve_compute_dtype, sync_copy
 from deltalens.generation.prompts import problem_prompts
 from deltalens.io.models import dtype_name, weights_checksum  # defined in io.models (shared with GRPO)
 from deltalens.training.es import lowrank  # noqa: F401 - registers the "lowrank" noise family
@@ -114,16 +114,22 @@ BF16_HALF_STEP = 2.0 ** -8  # bf16 keeps 8 significant bits: half a step is |w|�
 
 
 def coarse_tensor(model: torch.nn.Module, config: ESConfig) -> tuple[str, float] | None:
-    """The first perturbed tensor whose median |w| is so large that σ is under half a bf16 step there
-    (σ < median|w| · 2^-8), as (name, median |w|); None when σ survives bf16 rounding in every tensor.
+    """The first perturbed tensor a bf16 compute copy rounds to bf16 whose median |w| is so large that σ is
+    under half a bf16 step there (σ < median|w| · 2^-8), as (name, median |w|); None when σ survives bf16
+    rounding in every such tensor.
 
-    Why: a member generated from bf16(θ + σε) sees σε only where it crosses a rounding boundary. For RMSNorm
-    weights of ~1-2 (Qwen2.5; Gemma stores 1+w) and σ = 1.5e-3 most of the perturbation is rounded away,
-    which changes what ES can learn about exactly the tensors claim 4 is about. `compute_dtype: auto` then
-    stays fp32; an explicit bf16 is obeyed. The median is taken over at most 2^20 strided elements.
+    Why: a member generated from bf16(θ + σε) sees σε only where it crosses a rounding boundary, the same
+    boundary for every token. The norm layers' weights, the tensors of ~1-2 where this bites (SmolLM2's
+    final norm, median 1.78; Qwen2.5's, ~2; Gemma's 1 + w) and the ones claim 4 is about, stay fp32 in the
+    compute copy (`deltalens.generation.dtype.master_dtype_params`) and are not checked; a matrix this
+    coarse would still drown σ, and `compute_dtype: auto` then stays fp32; an explicit bf16 is obeyed.
+    The median is taken over at most 2^20 strided elements.
     """
     params, _ = select_params(model, config.params)
+    kept = master_dtype_params(model)
     for _, name, p in params:
+        if name in kept:
+            continue
         flat = p.detach().reshape(-1)
         step = max(1, flat.numel() // (1 << 20))
         med = float(flat[::step].abs().float().median())
@@ -148,7 +154,8 @@ class ESEngine:
 
     Compute dtype (`es_compute_dtype`; `compute_dtype` holds the resolved name): the fp32 master weights
     are perturbed, restored and updated as always; with bf16 compute the generator casts the perturbed
-    master into a bf16 copy once per member (`HFBackend`'s compute copy), so restore stays exact and the
+    master into a bf16 copy once per member (`HFBackend`'s compute copy; its norm layers' weights stay fp32,
+    `deltalens.generation.dtype`), so restore stays exact and the
     update fp32. `compute_dtype` given: use it (a resume or a replica pins what its run resolved).
     """
 
@@ -277,12 +284,51 @@ class ESEngine:
         timing = timing if timing is not None else new_timing()
         problems = problems if problems is not None else iteration_problems(self.task, self.config, iteration)
         out = {}
+        if self._members_in_copy():
+            return self._evaluate_in_copy(iteration, members, problems, timing)
         for m in members:
             self.perturb(iteration, m, timing)
             t0 = time.perf_counter()
             out[m] = self.score(problems, timing)
             timing["generation_s"] += time.perf_counter() - t0
             self.restore(iteration, m, timing)
+        return out
+
+    def _members_in_copy(self) -> bool:
+        """Whether members are written straight into a compute copy of another dtype (bf16 compute on fp32
+        masters, our arithmetic): the master is then never perturbed, so nothing is restored and no base
+        copy of the weights is taken (SmolLM2: 538 MB less; Qwen2.5-1.5B: ~7 GB)."""
+        master = next(self.model.parameters()).dtype
+        return (self.reference is None and hasattr(self.generator, "as_is")
+                and self.compute_dtype != dtype_name(master))
+
+    @torch.no_grad()
+    def _evaluate_in_copy(self, iteration: int, members: Sequence[int], problems, timing: dict) -> dict[int, float]:
+        """`evaluate_members` with each member written into the generator's compute copy: its trained
+        tensors ← the master's + s·ε_k in fp32, cast once (`Perturber.members`, `shift_into`: the bits a
+        perturbed master cast into the copy has, so rewards equal the perturb-and-restore path's), the rest
+        of the copy refreshed from the master once per call."""
+        t0 = time.perf_counter()
+        runner = self.generator.runner()  # created, or refreshed from the master (untrained tensors too)
+        timing["generation_s"] += time.perf_counter() - t0  # the cast, as `generate`'s own refresh counts
+        copy_of = dict(zip(map(id, self.model.parameters()), runner.parameters(), strict=True))
+
+        def row(block, _g):  # the compute copy's part of one noise block
+            j, flat, _ = block
+            p = self.params[j][2]
+            off = (flat.data_ptr() - p.data_ptr()) // p.element_size()
+            return copy_of[id(p)].view(-1)[off:off + flat.numel()]
+
+        out = {}
+        with self.generator.as_is():
+            for m in members:
+                k, s = self.es.shift_of(m)
+                self.perturber.members(iteration, {k: [(0, s)]}, row, timing)
+                self.family.shift_into(iteration, k, s, lambda p: copy_of[id(p)], timing)
+                t0 = time.perf_counter()
+                out[m] = self.score(problems, timing)
+                timing["generation_s"] += time.perf_counter() - t0
+        sync_copy(self.model, runner)  # the copy holds the centre again, for whoever generates next
         return out
 
     # -- update

@@ -92,6 +92,20 @@ class LowRankNoise(GaussianNoise):
             timing["perturb_restore_s"] += time.perf_counter() - t1
 
     @torch.no_grad()
+    def shift_into(self, iteration: int, k: int, s: float, dst_of, timing: dict) -> None:
+        """dst_of(W) ← W + s·E_k for every item, W untouched (`shift`'s fp32 arithmetic, one cast to the
+        destination: a member written into a bf16 compute copy)."""
+        for item in self.items:
+            t0 = time.perf_counter()
+            a, b = self.factors(iteration, k, item)
+            t1 = time.perf_counter()
+            w = item[2].detach()
+            a, b = a.to(w.device), b.to(w.device)
+            dst_of(item[2]).copy_(torch.addmm(w.float(), a, b.T, alpha=s * self.scale))
+            timing["noise_s"] += t1 - t0
+            timing["perturb_restore_s"] += time.perf_counter() - t1
+
+    @torch.no_grad()
     def update(self, iteration: int, coeff: list[float], scale: float, timing: dict) -> float:
         """W += scale · Σ_k coeff_k E_k for every item, one matmul per tensor; returns Σ (update)²."""
         ks = [k for k, c in enumerate(coeff) if c != 0.0]  # skipped identically on every replica

@@ -104,6 +104,11 @@ class NoiseFamily:
     def shift(self, iteration: int, k: int, s: float, timing: dict) -> None:
         """W ← W + s·E_k for every taken tensor."""
 
+    def shift_into(self, iteration: int, k: int, s: float, dst_of: Callable[[torch.Tensor], torch.Tensor],
+                   timing: dict) -> None:
+        """dst_of(W) ← W + s·E_k for every taken tensor W, W itself untouched: the bits `shift` gives W,
+        cast once to the destination's dtype."""
+
     def update(self, iteration: int, coeff: Sequence[float], scale: float, timing: dict) -> float:
         """W ← W + scale · Σ_k coeff_k E_k for every taken tensor; returns Σ (update)²."""
         return 0.0

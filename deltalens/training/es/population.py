@@ -31,7 +31,8 @@ group of `population_batch` members here. Noise is the engine's noise family, fr
 Compute dtype: members run on `ESEngine.compute_model()`, the master itself (fp32 compute) or the
 generator's bf16 copy, cast from the master once per iteration. Full-rank rows are then built in fp32
 from the fp32 master and rounded once to bf16 (the bits the sequential path generates with: perturb
-the master in fp32, cast once); low-rank keeps W in bf16 and adds the rank-r term in bf16.
+the master in fp32, cast once); low-rank keeps W in bf16 and adds the rank-r term in bf16. The norm
+layers' rows stay fp32, as the compute copy's norm weights do (`deltalens.generation.dtype`).
 
 Equality with the one-member-at-a-time loop (greedy decoding, the ES default):
 - full rank: each stacked W + σε_i is built with the very op `ESEngine.perturb` applies (same blocks,
@@ -274,8 +275,8 @@ def _member_forward(name: str, mod: nn.Module, members: Members):
 
     eps = _norm_eps(mod)
     if eps is not None and set(dict(mod.named_parameters(recurse=False))) == {"weight"}:
-        def rms_norm(x):
-            return (members.get(w).unsqueeze(1) * split(_rms_norm(x, eps))).reshape(x.shape)
+        def rms_norm(x):  # a compute copy's norm weights stay fp32: the product is rounded once, to x's dtype
+            return (members.get(w).unsqueeze(1) * split(_rms_norm(x, eps))).reshape(x.shape).to(x.dtype)
         return rms_norm
 
     raise DeltalensError(f"population batching supports nn.Linear, nn.Embedding and Llama-style RMSNorm; "

@@ -121,9 +121,12 @@ def test_bf16_members_generate_on_a_cast_of_the_perturbed_master_and_restore_exa
     eng.score(problems)
     copy = eng.generator.compute_model
     assert copy is not None and copy is not model
+    kept = cd.master_dtype_params(model)
+    assert kept and all("norm" in n for n in kept)
     for (name, p), q in zip(model.named_parameters(), copy.parameters(), strict=True):
-        assert p.dtype == torch.float32 and q.dtype == torch.bfloat16
-        assert torch.equal(q, perturbed[name].to(torch.bfloat16)), name  # one cast of the perturbed master
+        dt = torch.float32 if name in kept else torch.bfloat16  # norm weights stay fp32 (generation.dtype)
+        assert p.dtype == torch.float32 and q.dtype == dt
+        assert torch.equal(q, perturbed[name].to(dt)), name  # one cast of the perturbed master
     eng.restore(1, 2, new_timing())
     assert_same_weights(before, weights(model))
     eng.evaluate_members(1, [0, 1, 3], problems)
@@ -133,17 +136,19 @@ def test_bf16_members_generate_on_a_cast_of_the_perturbed_master_and_restore_exa
 
 
 def test_population_batching_in_bf16_builds_the_sequential_members():
-    """Batched bf16 rows are fp32 θ + σε rounded once to bf16: the bits the sequential path casts."""
+    """Batched bf16 rows are fp32 θ + σε rounded once to bf16 (norm rows kept fp32): the bits the sequential
+    path casts."""
     model, tok = small_llama()
     eng = _engine(model, tok, compute_dtype="bf16", antithetic=True, population_batch=4)
     runner = eng.compute_model()
     rows = member_weights(eng, 3, [0, 1, 3], new_timing(), runner)
     masters = dict(zip(map(id, model.parameters()), runner.parameters(), strict=True))
+    kept = cd.master_dtype_params(model)
     for g, m in enumerate([0, 1, 3]):
         eng.perturb(3, m, new_timing())
         for _, name, p in eng.params:
-            row = rows[_key(masters[id(p)])][g]
-            assert row.dtype == torch.bfloat16 and torch.equal(row, p.to(torch.bfloat16)), (m, name)
+            row, dt = rows[_key(masters[id(p)])][g], torch.float32 if name in kept else torch.bfloat16
+            assert row.dtype == dt and torch.equal(row, p.to(dt)), (m, name)  # norm rows stay fp32
         eng.restore(3, m, new_timing())
     lr = _engine(model, tok, compute_dtype="bf16", noise="lowrank", rank=2, population_batch=4)
     runner = lr.compute_model()
@@ -212,22 +217,81 @@ def test_ray_replicas_take_the_drivers_compute_dtype():
 
 
 def test_auto_stays_fp32_where_sigma_drowns_in_bf16_rounding(monkeypatch):
-    """Norm weights of ~1 and σ = 1.5e-3: half a bf16 step there (~2e-3 .. 4e-3) exceeds σ, so a bf16 member
-    would barely see its perturbation of them; auto keeps fp32 (naming the tensor), explicit bf16 is obeyed."""
+    """A matrix of median |w| ~1 and σ = 1.5e-3: half a bf16 step there (~2e-3 .. 4e-3) exceeds σ, so a bf16
+    member would barely see its perturbation of it; auto keeps fp32 (naming the tensor), explicit bf16 is
+    obeyed. Norm weights of ~1 do not count: the compute copy keeps them fp32."""
     from deltalens.training.es.engine import coarse_tensor
 
     monkeypatch.setattr(cd, "cpu_flags", lambda: AMX)
     model, tok = small_llama(hidden=576, layers=1, heads=2, kv_heads=1, intermediate=64)
     cfg = ESConfig(sigma=1.5e-3)
+    assert float(model.model.norm.weight.detach().abs().median()) == pytest.approx(1.0)  # norms ~1: not coarse
+    assert coarse_tensor(model, cfg) is None
+    assert _engine(model, tok, sigma=1.5e-3).compute_dtype == "bf16"
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.normal_(0.0, 1.5)  # a matrix of median |w| ~1
     name, med = coarse_tensor(model, cfg)
-    assert "norm" in name and med == pytest.approx(1.0)
+    assert name == "model.layers.0.mlp.up_proj.weight" and 0.7 < med < 1.3
     assert _engine(model, tok, sigma=1.5e-3).compute_dtype == "fp32"
     assert _engine(model, tok, sigma=1.5e-3, compute_dtype="bf16").compute_dtype == "bf16"
     assert _engine(model, tok, sigma=1e-2).compute_dtype == "bf16"  # σ above half a step everywhere
-    assert _engine(model, tok, sigma=1.5e-3, params=("*mlp*",)).compute_dtype == "bf16"  # only what is perturbed
+    assert _engine(model, tok, sigma=1.5e-3, params=("*attn*",)).compute_dtype == "bf16"  # only what is perturbed
+
+
+def test_bf16_members_see_their_norm_weight_perturbation():
+    """Norm weights of ~1 with σ = 1.5e-3 (under half a bf16 step): the bf16 compute copy keeps them fp32, so a
+    member's perturbed norm weights reach its forward exactly and move the logits; rounded to bf16 (as
+    before) every one of them would have been the centre's."""
+    model, tok = small_llama(hidden=64, layers=1, heads=2, kv_heads=1, intermediate=64)
+    eng = _engine(model, tok, sigma=1.5e-3, compute_dtype="bf16", params=("*norm*",))
+    norm = model.model.norm.weight
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    centre = eng.compute_model()
+    assert centre.model.norm.weight.dtype == torch.float32
+    assert centre.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.fill_(0.2)  # SmolLM2-like small norm weights: σ survives
-    assert coarse_tensor(model, cfg) is None
-    assert _engine(model, tok, sigma=1.5e-3).compute_dtype == "bf16"
+        before = centre(ids).logits.clone()
+    eng.perturb(1, 0, new_timing())
+    member = eng.compute_model()
+    assert torch.equal(member.model.norm.weight, norm)  # the perturbed fp32 master, exactly
+    assert not torch.equal(norm, torch.ones_like(norm))
+    assert (norm.to(torch.bfloat16) == 1).float().mean() > 0.5  # bf16 would have rounded most back to 1
+    with torch.no_grad():
+        after = member(ids).logits
+    assert not torch.equal(after, before)
+    eng.restore(1, 0, new_timing())
+
+
+@pytest.mark.parametrize("noise", ["full", "lowrank"])
+def test_bf16_members_are_written_into_the_copy_and_the_master_is_never_touched(noise, monkeypatch):
+    """With bf16 compute, `evaluate_members` writes each member into the compute copy (fp32 θ + s·ε, one cast)
+    instead of perturbing the master and restoring it from a whole copy: the copy a member generates on is
+    bit-identical to the cast of the perturbed master, the rewards are the perturb-and-restore path's, the
+    master is never written and no restore copy is taken."""
+    model, tok = small_llama(hidden=64, heads=4, kv_heads=2, intermediate=128)
+    eng = _engine(model, tok, compute_dtype="bf16", noise=noise, sigma=0.05, antithetic=True,
+                  **({"rank": 2} if noise == "lowrank" else {}))
+    problems = iteration_problems(eng.task, eng.config, 1)
+    before = weights(model)
+    seen = []
+    generate = eng.generator.generate
+
+    def spy(prompts, params, **kw):  # what each member generates on, and that the master is untouched then
+        assert_same_weights(before, weights(model))
+        seen.append({n: q.detach().clone() for n, q in eng.generator.compute_model.named_parameters()})
+        return generate(prompts, params, **kw)
+
+    monkeypatch.setattr(eng.generator, "generate", spy)
+    fresh = eng.evaluate_members(1, range(4), problems)
+    assert eng.es.base is None and len(seen) == 4
+    assert_same_weights(before, weights(model))
+    monkeypatch.setattr(eng.generator, "generate", generate)
+    old = {}
+    for m in range(4):  # the perturb-in-place path, member by member
+        eng.perturb(1, m, new_timing())
+        want = {n: q.detach().clone() for n, q in eng.generator.runner().named_parameters()}
+        assert all(torch.equal(seen[m][n], want[n]) for n in want), m
+        old[m] = eng.score(problems)
+        eng.restore(1, m, new_timing())
+    assert fresh == old
+    assert len({tuple(float(t.float().sum()) for t in s.values()) for s in seen}) == 4  # members differ
