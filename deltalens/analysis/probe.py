@@ -56,9 +56,9 @@ from deltalens.analysis.options import PROBE_TEMPERATURES
 from deltalens.errors import DeltalensError
 from deltalens.evaluation.passk import summarize
 from deltalens.generation import BACKENDS, SamplingParams, backend_for_spec
-from deltalens.generation.dtype import cast_in_place, check_compute_dtype
+from deltalens.generation.dtype import check_compute_dtype
 from deltalens.generation.prompts import CHAT_MODES, problem_prompts
-from deltalens.io.models import load_model
+from deltalens.io.models import load_model, torch_dtype
 from deltalens.tasks import Task
 from deltalens.training.es.backends.local import LocalBackend
 from deltalens.training.es.config import ESConfig
@@ -188,10 +188,9 @@ def probe(model_spec: str, task: Task, *, split: str = "validation", limit: int 
     t0 = time.perf_counter()
     # vLLM loads its own weights (model None); the HF copy is then loaded only for the ES populations
     gen, model, tok = backend_for_spec(backend, model_spec, dtype=dtype, device="cpu", chat_template=chat_template,
-                                       compute_dtype=compute_dtype)
-    if model is not None and gen.dtype != next(model.parameters()).dtype:
-        cast_in_place(model, gen.dtype)  # the passes need no fp32 weights: no second copy (module doc)
-        model = None  # the ES populations load the fp32 weights again
+                                       compute_dtype=compute_dtype, in_place=True)  # no second copy (module doc)
+    if model is not None and next(model.parameters()).dtype != torch_dtype(dtype):
+        model = None  # cast for the passes: the ES populations load the loaded weights again
     try:
         sampled, greedy, comps, prompts = _passes(gen, task, problems, samples, group, temps, signal_t, max_new,
                                                   seed, log, progress_factory)

@@ -156,7 +156,8 @@ def evaluate_models(specs: Sequence[str], task: Task, *, labels: Sequence[str] |
     result = new_document(None, [], evals={})
     for spec, label in zip(specs, labels):
         be, model, tok = backend_for_spec(backend, spec, dtype=dtype, config=config, device=device,
-                                          chat_template=chat_template, compute_dtype=compute_dtype)
+                                          chat_template=chat_template, compute_dtype=compute_dtype,
+                                          in_place=True)  # only generation: no fp32 copy kept beside bf16
         n = len(task.split(split, limit) if problems is None else list(problems)[:limit])
         prog = progress_factory(label, n * samples) if progress_factory else None
         try:

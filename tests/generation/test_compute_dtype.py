@@ -263,3 +263,19 @@ def test_cast_in_place_gives_the_compute_copys_bits(tied):
         assert model.lm_head.weight is model.model.embed_tokens.weight
     be = HFBackend(model, tok, compute_dtype="bf16")
     assert be.runner() is model  # generates on itself: no second copy
+
+
+def test_backend_for_spec_in_place_keeps_no_fp32_copy_and_generates_the_same():
+    """`eval` and the probe need only generation: `in_place=True` casts the loaded model instead of keeping a
+    bf16 copy beside it, and the completions are the copy's."""
+    from support import tiny_spec
+
+    be, model, _ = backend_for_spec("hf", tiny_spec(), device="cpu", compute_dtype="bf16", in_place=True)
+    ref, ref_model, _ = backend_for_spec("hf", tiny_spec(), device="cpu", compute_dtype="bf16")
+    assert be.runner() is model and be.compute_model is None
+    assert ref.runner() is not ref_model and next(ref_model.parameters()).dtype == torch.float32
+    params = SamplingParams(n=2, temperature=0.8, max_new_tokens=12, seed=3)
+    assert be.generate(PROMPTS, params) == ref.generate(PROMPTS, params)
+    assert be.generate(PROMPTS, GREEDY) == ref.generate(PROMPTS, GREEDY)
+    _, m32, _ = backend_for_spec("hf", tiny_spec(), device="cpu", compute_dtype="fp32", in_place=True)
+    assert all(p.dtype == torch.float32 for p in m32.parameters())  # nothing to cast
