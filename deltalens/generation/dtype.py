@@ -8,14 +8,18 @@ generation may run on a lower-precision copy of them (`HFBackend`, `compute_copy
   `generate` call (so a copy never lags behind an update; for the evaluation of a fixed model that is
   one cast). Parameters only: buffers (e.g. rotary frequencies) stay in their own dtype, and transformers
   takes the next-token logits in fp32 before sampling, so the softmax and sampling are fp32 as before.
-  Normalisation layers keep their weights in the master dtype (`norm_modules`: class names ending in
-  RMSNorm or LayerNorm); their output is cast to the input's dtype (bf16), so the matmuls all run in bf16.
+  RMSNorm layers keep their weights in the master dtype (`norm_modules`: class names ending in RMSNorm);
+  their output is cast to the input's dtype (bf16), so the matmuls all run in bf16. LayerNorm is cast like
+  the rest: CUDA's layer_norm wants weight and bias in the input's dtype, and none of our models has one.
+  Linear layers' biases stay in the master dtype too (`biased_linears`; Qwen2.5's q/k/v projections, whose
+  q biases have median |b| ~1.5): x·Wᵀ in bf16, then the fp32 bias added and the sum rounded once.
   Why: a norm weight of ~1-2 (SmolLM2's final norm, median 1.78; Qwen2.5's, ~2; Gemma's 1 + w) has a
   bf16 step of ~0.008-0.016, so an ES perturbation σ = 1.5e-3 .. 3e-3 of it rounds away, the same way for
   every token: the member would not see what it is scored for. Kept in fp32 and multiplied into the
   bf16-rounded normalised activation, the product is rounded once per element and the perturbation
-  survives in expectation (a dither). 1-D tensors, ~0.02% of SmolLM2's parameters; the departure from a
-  pure-bf16 forward is one rounding less.
+  survives in expectation (a dither). 1-D tensors, ~0.02% of SmolLM2's parameters. The departures from a
+  pure-bf16 forward: a norm's product is rounded once instead of twice; a biased linear rounds x·Wᵀ to bf16
+  before the fp32 bias is added (a fused bf16 linear adds the bf16 bias before its one rounding).
 - `auto`: bf16 where bf16 matmuls are fast: a CPU with bf16 matrix instructions (`amx_bf16` or
   `avx512_bf16` among the flags of /proc/cpuinfo, `BF16_CPU_FLAGS`) or a CUDA device with bf16
   (`torch.cuda.is_bf16_supported()`), for a model of hidden size >= 512 (`MIN_BF16_HIDDEN`); fp32
@@ -33,9 +37,11 @@ Measured figures (speed-ups per CPU and model width, bf16/fp32 agreement): bench
 from __future__ import annotations
 
 import copy
+import types
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 from deltalens.errors import DeltalensError
 from deltalens.io.models import contiguous_head, dtype_name, load_config, torch_dtype
@@ -115,19 +121,37 @@ def _hidden_size(spec: str | ModelRef, config: str | None) -> int | None:
         return None
 
 
-NORM_CLASS_SUFFIXES = ("RMSNorm", "LayerNorm")  # LlamaRMSNorm, Qwen2RMSNorm, Gemma3RMSNorm, nn.LayerNorm, ...
+NORM_CLASS_SUFFIXES = ("RMSNorm",)  # LlamaRMSNorm, Qwen2RMSNorm, Gemma3RMSNorm, ...; not LayerNorm (module doc)
 
 
 def norm_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of the normalisation layers, whose parameters a compute copy keeps in the master dtype."""
+    """(name, module) of the RMSNorm layers, whose parameters a compute copy keeps in the master dtype."""
     return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith(NORM_CLASS_SUFFIXES)]
+
+
+def biased_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """(name, module) of the nn.Linear layers with a bias, whose bias a compute copy keeps in the master dtype."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
+
+
+def _kept(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters a compute copy keeps in the master dtype (module doc): the RMSNorm layers'
+    weights and the Linear layers' biases."""
+    return ({id(p) for _, m in norm_modules(model) for p in m.parameters(recurse=False)}
+            | {id(m.bias) for _, m in biased_linears(model)})
 
 
 def master_dtype_params(model: torch.nn.Module) -> set[str]:
     """Names (as `model.named_parameters()` gives them) of the parameters a compute copy keeps in the master
-    dtype: those of `norm_modules`."""
-    kept = {id(p) for _, m in norm_modules(model) for p in m.parameters(recurse=False)}
+    dtype: the RMSNorm layers' weights and the Linear layers' biases."""
+    kept = _kept(model)
     return {n for n, p in model.named_parameters() if id(p) in kept}
+
+
+def _linear_with_master_bias(self, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a compute copy's nn.Linear whose bias stays fp32: x·Wᵀ in the compute dtype, then the
+    bias added in fp32 and rounded once (an in-place bf16 += fp32 adds in fp32)."""
+    return F.linear(x, self.weight).add_(self.bias)
 
 
 def _output_in_input_dtype(module, args, kwargs, out):
@@ -144,7 +168,7 @@ def compute_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     master dtype, their output cast to their input's dtype; see module doc); buffers and tied parameters are
     kept as they are in `model`; `sync_copy` refreshes it from the masters. The fp32 parameters are never
     copied whole."""
-    kept = {id(p) for _, m in norm_modules(model) for p in m.parameters(recurse=False)}
+    kept = _kept(model)
     memo = {id(p): torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype if id(p) in kept else dtype,
                                                   device=p.device), requires_grad=False)
             for p in model.parameters()}
@@ -161,7 +185,7 @@ def cast_in_place(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module
     fp32 storage is freed), the norm layers' kept, with the copy's hooks: the same bits `compute_copy` gives,
     for a caller that needs no fp32 weights while it generates (`deltalens probe`: SmolLM2's HF passes hold
     269 MB of weights instead of 538 + 269)."""
-    kept = {id(p) for _, m in norm_modules(model) for p in m.parameters(recurse=False)}
+    kept = _kept(model)
     for p in model.parameters():
         if id(p) not in kept:
             p.data = p.data.to(dtype)
@@ -171,11 +195,14 @@ def cast_in_place(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module
 
 
 def _compute_hooks(model: torch.nn.Module) -> None:
-    """The hooks of a low-precision compute model: norm outputs in their input's dtype, a contiguous head input."""
+    """The hooks of a low-precision compute model: norm outputs in their input's dtype, Linear biases added
+    in fp32, a contiguous head input."""
     for _, mod in norm_modules(model):
         if not getattr(mod, "_deltalens_output_cast", False):
             mod.register_forward_hook(_output_in_input_dtype, with_kwargs=True)
             mod._deltalens_output_cast = True
+    for _, mod in biased_linears(model):
+        mod.forward = types.MethodType(_linear_with_master_bias, mod)  # an instance forward, as population's
     contiguous_head(model)  # the head's strided last-position input: 180x slower in bf16 otherwise
 
 

@@ -100,7 +100,8 @@ class ESConfig(Config):
     compute_dtype: str = option("auto", "dtype members generate in: auto (bf16 where bf16 matmuls are fast, a CPU "
                                 "with AMX-BF16 or AVX512-BF16 or a bf16 GPU, for hidden size >= 512, unless σ is under half a bf16 step of "
                                 "some perturbed matrix's median |w| (norm weights stay fp32); else fp32), fp32, bf16; the "
-                                "fp32 master is perturbed, restored and updated as always", trajectory=True)
+                                "fp32 master is updated as always (with bf16, each member is cast into the bf16 copy and the master is "
+                                "never perturbed)", trajectory=True)
 
     PRESETS: ClassVar[dict[str, dict]] = {
         "paper": {},

@@ -121,7 +121,8 @@ def coarse_tensor(model: torch.nn.Module, config: ESConfig) -> tuple[str, float]
     Why: a member generated from bf16(θ + σε) sees σε only where it crosses a rounding boundary, the same
     boundary for every token. The norm layers' weights, the tensors of ~1-2 where this bites (SmolLM2's
     final norm, median 1.78; Qwen2.5's, ~2; Gemma's 1 + w) and the ones claim 4 is about, stay fp32 in the
-    compute copy (`deltalens.generation.dtype.master_dtype_params`) and are not checked; a matrix this
+    compute copy, as do Linear biases (Qwen2.5's q_proj biases, median ~1.5)
+    (`deltalens.generation.dtype.master_dtype_params`), and are not checked; a matrix this
     coarse would still drown σ, and `compute_dtype: auto` then stays fp32; an explicit bf16 is obeyed.
     The median is taken over at most 2^20 strided elements.
     """
@@ -153,10 +154,12 @@ class ESEngine:
     itself is the config's noise family (`deltalens.training.es.noise`), applied by a `Perturber`.
 
     Compute dtype (`es_compute_dtype`; `compute_dtype` holds the resolved name): the fp32 master weights
-    are perturbed, restored and updated as always; with bf16 compute the generator casts the perturbed
-    master into a bf16 copy once per member (`HFBackend`'s compute copy; its norm layers' weights stay fp32,
-    `deltalens.generation.dtype`), so restore stays exact and the
-    update fp32. `compute_dtype` given: use it (a resume or a replica pins what its run resolved).
+    are updated as always; with bf16 compute `evaluate_members` writes each member, fp32 θ + s·ε cast once,
+    into the generator's bf16 copy (`HFBackend`'s compute copy; its norm layers' weights stay fp32,
+    `deltalens.generation.dtype`) and never perturbs the master, so there is nothing to restore (`restore`
+    then has no effect: subtract cannot drift) and the update stays fp32. `perturb` / `restore` still work
+    on the master for the tools that call them (diversity). `compute_dtype` given: use it (a resume or a
+    replica pins what its run resolved).
     """
 
     def __init__(self, model, tokenizer, task, config: ESConfig, compute_dtype: str | None = None):
@@ -279,7 +282,8 @@ class ESEngine:
 
     def evaluate_members(self, iteration: int, members: Sequence[int], problems=None,
                          timing: dict | None = None) -> dict[int, float]:
-        """Reward of each member, one after another: perturb, generate + score, restore.
+        """Reward of each member, one after another: perturb, generate + score, restore; with a compute copy
+        of another dtype, each member written into the copy instead (`_evaluate_in_copy`).
         (`deltalens.training.es.population.evaluate_batched` evaluates several members per generation.)"""
         timing = timing if timing is not None else new_timing()
         problems = problems if problems is not None else iteration_problems(self.task, self.config, iteration)
@@ -299,8 +303,8 @@ class ESEngine:
         masters, our arithmetic): the master is then never perturbed, so nothing is restored and no base
         copy of the weights is taken (SmolLM2: 538 MB less; Qwen2.5-1.5B: ~7 GB)."""
         master = next(self.model.parameters()).dtype
-        return (self.reference is None and hasattr(self.generator, "as_is")
-                and self.compute_dtype != dtype_name(master))
+        return (self.reference is None and isinstance(self.generator, HFBackend)
+                and self.generator.dtype != master)
 
     @torch.no_grad()
     def _evaluate_in_copy(self, iteration: int, members: Sequence[int], problems, timing: dict) -> dict[int, float]:
@@ -310,6 +314,8 @@ class ESEngine:
         of the copy refreshed from the master once per call."""
         t0 = time.perf_counter()
         runner = self.generator.runner()  # created, or refreshed from the master (untrained tensors too)
+        if runner is self.model:  # never write members into the master here: nothing would restore it
+            raise DeltalensError("internal: members in the compute copy, but the generator runs the master")
         timing["generation_s"] += time.perf_counter() - t0  # the cast, as `generate`'s own refresh counts
         copy_of = dict(zip(map(id, self.model.parameters()), runner.parameters(), strict=True))
 

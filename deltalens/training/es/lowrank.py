@@ -75,33 +75,29 @@ class LowRankNoise(GaussianNoise):
         a, b = self.factors(iteration, k, item)
         return (a @ b.T).mul_(self.scale)  # on the CPU, like `ESEngine.noise_of`
 
-    @torch.no_grad()
     def shift(self, iteration: int, k: int, s: float, timing: dict) -> None:
         """W += s·E_k in place for every item (fp32 arithmetic, rounded once to the weight dtype)."""
-        for item in self.items:
-            t0 = time.perf_counter()
-            a, b = self.factors(iteration, k, item)
-            t1 = time.perf_counter()
-            w = item[2].detach()
-            a, b = a.to(w.device), b.to(w.device)
-            if w.dtype == torch.float32:
-                w.addmm_(a, b.T, alpha=s * self.scale)
-            else:
-                w.copy_(w.float().addmm_(a, b.T, alpha=s * self.scale))
-            timing["noise_s"] += t1 - t0
-            timing["perturb_restore_s"] += time.perf_counter() - t1
+        self._shift(iteration, k, s, timing)
 
-    @torch.no_grad()
     def shift_into(self, iteration: int, k: int, s: float, dst_of, timing: dict) -> None:
         """dst_of(W) ← W + s·E_k for every item, W untouched (`shift`'s fp32 arithmetic, one cast to the
         destination: a member written into a bf16 compute copy)."""
+        self._shift(iteration, k, s, timing, dst_of)
+
+    @torch.no_grad()
+    def _shift(self, iteration: int, k: int, s: float, timing: dict, dst_of=None) -> None:
         for item in self.items:
             t0 = time.perf_counter()
             a, b = self.factors(iteration, k, item)
             t1 = time.perf_counter()
             w = item[2].detach()
             a, b = a.to(w.device), b.to(w.device)
-            dst_of(item[2]).copy_(torch.addmm(w.float(), a, b.T, alpha=s * self.scale))
+            if dst_of is not None:
+                dst_of(item[2]).copy_(torch.addmm(w.float(), a, b.T, alpha=s * self.scale))
+            elif w.dtype == torch.float32:
+                w.addmm_(a, b.T, alpha=s * self.scale)
+            else:
+                w.copy_(w.float().addmm_(a, b.T, alpha=s * self.scale))
             timing["noise_s"] += t1 - t0
             timing["perturb_restore_s"] += time.perf_counter() - t1
 

@@ -107,7 +107,9 @@ class NoiseFamily:
     def shift_into(self, iteration: int, k: int, s: float, dst_of: Callable[[torch.Tensor], torch.Tensor],
                    timing: dict) -> None:
         """dst_of(W) ← W + s·E_k for every taken tensor W, W itself untouched: the bits `shift` gives W,
-        cast once to the destination's dtype."""
+        cast once to the destination's dtype. A family that takes tensors must override it."""
+        if getattr(self, "items", None):
+            raise NotImplementedError(f"noise family {self.name!r} takes tensors whole but has no shift_into")
 
     def update(self, iteration: int, coeff: Sequence[float], scale: float, timing: dict) -> float:
         """W ← W + scale · Σ_k coeff_k E_k for every taken tensor; returns Σ (update)²."""

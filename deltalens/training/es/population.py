@@ -244,10 +244,17 @@ def _member_forward(name: str, mod: nn.Module, members: Members):
             w_m, b_m, xv = members.get(w), members.get(bias), split(x)
             if isinstance(w_m, torch.Tensor):  # full rank: stacked weights, one bmm
                 b = b_m if b_m is not None else (bias.expand(members.count, -1) if bias is not None else None)
-                y = torch.bmm(xv, w_m.transpose(1, 2)) if b is None else \
-                    torch.baddbmm(b.unsqueeze(1), xv, w_m.transpose(1, 2))
+                if b is None:
+                    y = torch.bmm(xv, w_m.transpose(1, 2))
+                elif b.dtype == xv.dtype:
+                    y = torch.baddbmm(b.unsqueeze(1), xv, w_m.transpose(1, 2))
+                else:  # a compute copy's fp32 bias: added in fp32 after the product, as its forward does
+                    y = torch.bmm(xv, w_m.transpose(1, 2)).add_(b.unsqueeze(1))
                 return y.reshape(*x.shape[:-1], y.shape[-1])
-            y = F.linear(x, w, bias if b_m is None else None)  # shared weights, all rows at once
+            shared_bias = bias if b_m is None and bias is not None and bias.dtype == x.dtype else None
+            y = F.linear(x, w, shared_bias)  # shared weights, all rows at once
+            if b_m is None and bias is not None and shared_bias is None:
+                y.add_(bias)  # a compute copy's fp32 bias (deltalens.generation.dtype)
             yv = y.view(members.count, -1, y.shape[-1])  # y is ours (fresh): updated in place below
             if b_m is not None:
                 yv.add_(b_m.unsqueeze(1))

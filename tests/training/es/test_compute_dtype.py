@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from support import assert_same_weights, run_cli, small_llama, tiny_spec, weights
 
 from deltalens.errors import DeltalensError
@@ -265,33 +266,93 @@ def test_bf16_members_see_their_norm_weight_perturbation():
 @pytest.mark.parametrize("noise", ["full", "lowrank"])
 def test_bf16_members_are_written_into_the_copy_and_the_master_is_never_touched(noise, monkeypatch):
     """With bf16 compute, `evaluate_members` writes each member into the compute copy (fp32 θ + s·ε, one cast)
-    instead of perturbing the master and restoring it from a whole copy: the copy a member generates on is
-    bit-identical to the cast of the perturbed master, the rewards are the perturb-and-restore path's, the
-    master is never written and no restore copy is taken."""
-    model, tok = small_llama(hidden=64, heads=4, kv_heads=2, intermediate=128)
+    instead of perturbing the master and restoring it from a whole copy: the module each member's batches
+    run on (seen inside generation) holds exactly the cast of the perturbed master and gives its logits,
+    the master is never written and no restore copy is taken."""
+    from deltalens.generation import HFBackend
+
+    model, tok = _biased(0.5)  # fp32 norm weights and fp32 biases in the copy
     eng = _engine(model, tok, compute_dtype="bf16", noise=noise, sigma=0.05, antithetic=True,
                   **({"rank": 2} if noise == "lowrank" else {}))
     problems = iteration_problems(eng.task, eng.config, 1)
     before = weights(model)
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7]])
     seen = []
-    generate = eng.generator.generate
+    batch = HFBackend._generate_batch
 
-    def spy(prompts, params, **kw):  # what each member generates on, and that the master is untouched then
+    def spy(self, runner, *a, **kw):  # what generation runs on, while it runs
         assert_same_weights(before, weights(model))
-        seen.append({n: q.detach().clone() for n, q in eng.generator.compute_model.named_parameters()})
-        return generate(prompts, params, **kw)
+        with torch.no_grad():
+            seen.append(({n: q.detach().clone() for n, q in runner.named_parameters()}, runner(ids).logits))
+        return batch(self, runner, *a, **kw)
 
-    monkeypatch.setattr(eng.generator, "generate", spy)
-    fresh = eng.evaluate_members(1, range(4), problems)
-    assert eng.es.base is None and len(seen) == 4
+    monkeypatch.setattr(HFBackend, "_generate_batch", spy)
+    eng.evaluate_members(1, range(4), problems)
+    monkeypatch.setattr(HFBackend, "_generate_batch", batch)
+    assert eng.es.base is None and len(seen) == 4  # one batch per member (2 prompts)
     assert_same_weights(before, weights(model))
-    monkeypatch.setattr(eng.generator, "generate", generate)
-    old = {}
     for m in range(4):  # the perturb-in-place path, member by member
         eng.perturb(1, m, new_timing())
-        want = {n: q.detach().clone() for n, q in eng.generator.runner().named_parameters()}
-        assert all(torch.equal(seen[m][n], want[n]) for n in want), m
-        old[m] = eng.score(problems)
+        want = eng.generator.runner()  # the perturbed master, cast once
+        assert all(torch.equal(seen[m][0][n], q) for n, q in want.named_parameters()), m
+        with torch.no_grad():
+            assert torch.equal(seen[m][1], want(ids).logits), m
         eng.restore(1, m, new_timing())
-    assert fresh == old
-    assert len({tuple(float(t.float().sum()) for t in s.values()) for s in seen}) == 4  # members differ
+    assert len({float(logits.float().sum()) for _, logits in seen}) == 4  # the members differ
+
+
+def _biased(bias_scale: float):
+    """A small Llama with q/k/v/o and MLP biases of the given spread (Qwen2.5's q biases: median |b| ~1.5)."""
+    model, tok = small_llama(hidden=64, heads=4, kv_heads=2, intermediate=128, bias=True)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(0, bias_scale, generator=torch.Generator().manual_seed(len(n)))
+    return model, tok
+
+
+def test_bf16_copy_keeps_linear_biases_fp32_and_auto_ignores_them(monkeypatch):
+    """Linear biases stay fp32 in the bf16 copy (x·Wᵀ in bf16, + the fp32 bias, rounded once), so biases of
+    ~1.5 (Qwen2.5's q_proj) no longer keep `auto` at fp32; the copy's logits are those of that arithmetic."""
+    from deltalens.training.es.engine import coarse_tensor
+
+    monkeypatch.setattr(cd, "cpu_flags", lambda: AMX)
+    model, _ = _biased(1.5)
+    kept = cd.master_dtype_params(model)
+    assert {n for n in kept if n.endswith(".bias")} == {n for n, _ in model.named_parameters() if n.endswith(".bias")}
+    assert coarse_tensor(model, ESConfig(sigma=1.5e-3)) is None
+    cm = cd.compute_copy(model, torch.bfloat16)
+    q = cm.model.layers[0].self_attn.q_proj
+    assert q.bias.dtype == torch.float32 and q.weight.dtype == torch.bfloat16
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(q(x), (F.linear(x, q.weight).float() + q.bias).to(torch.bfloat16))
+        assert torch.isfinite(cm(torch.tensor([[1, 4, 7, 2]])).logits.float()).all()
+
+
+@pytest.mark.parametrize("noise", ["full", "lowrank"])
+def test_bf16_members_of_a_biased_model_batched_and_one_by_one(noise):
+    """With fp32 biases in the bf16 copy, members one by one (written into the copy) and population-batched
+    members give the same logits: bit for bit with full-rank noise, within bf16 rounding with low rank
+    (the batched path never forms W + σE)."""
+    from deltalens.training.es.population import Members, member_modules, member_weights
+
+    model, tok = _biased(0.5)
+    eng = _engine(model, tok, compute_dtype="bf16", noise=noise, sigma=0.05, antithetic=True, population_batch=3,
+                  **({"rank": 2} if noise == "lowrank" else {}))
+    ids = torch.randint(3, len(tok), (2, 6), generator=torch.Generator().manual_seed(1))
+    seq = []
+    for m in (0, 1, 2):
+        eng.perturb(1, m, new_timing())
+        with torch.no_grad():
+            seq.append(eng.generator.runner()(ids).logits)
+        eng.restore(1, m, new_timing())
+    runner = eng.compute_model()
+    w = member_weights(eng, 1, [0, 1, 2], new_timing(), runner)
+    with member_modules(runner, Members(w, 3)), torch.no_grad():
+        bat = runner(ids.repeat(3, 1)).logits.reshape(3, *ids.shape, -1)
+    if noise == "full":
+        assert torch.equal(torch.stack(seq), bat)
+    else:
+        torch.testing.assert_close(bat.float(), torch.stack(seq).float(), rtol=0.05, atol=0.05)
+    assert not torch.equal(seq[0], seq[1])

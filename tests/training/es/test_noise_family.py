@@ -127,3 +127,21 @@ def test_train_es_with_the_family_moves_and_is_deterministic(tmp_path):
     # and it is not the Gaussian run under another name
     c = train_es(dataclasses.replace(cfg, noise="full"), tmp_path / "c")
     assert RunDir(c).metrics()[-1]["checksum"] != rows[-1]["checksum"]
+
+
+def test_a_family_that_takes_tensors_must_say_how_members_are_written_into_a_copy():
+    """bf16 members are written into the compute copy (`shift_into`): a family that takes tensors whole and
+    did not define it is refused, rather than leaving those tensors unperturbed in every member."""
+
+    class Whole(noise.GaussianNoise):
+        name = "whole-test"
+
+        def bind(self, tensors):
+            self.items = [t for t in tensors if t[2].dim() == 2]
+            return {t[0] for t in self.items}
+
+    fam = Whole(0, 2, 4)
+    fam.shift_into(1, 0, 0.1, lambda p: p, {})  # nothing taken yet: nothing to write
+    fam.bind([(0, "w", torch.zeros(2, 2), 0)])
+    with pytest.raises(NotImplementedError, match="whole-test"):
+        fam.shift_into(1, 0, 0.1, lambda p: p, {})

@@ -1,6 +1,7 @@
 """Local backend: members evaluated in this process, on the driver's own replica.
 
-One by one (`ESEngine.evaluate_members`: perturb in place, generate, restore), or with
+One by one (`ESEngine.evaluate_members`: perturb in place, generate, restore; with bf16 compute each
+member written into the bf16 copy instead), or with
 `population_batch` > 1 several members per batched generation (`deltalens.training.es.population`).
 """
 
