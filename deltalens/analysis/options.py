@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from deltalens.config import NOT_NONE, Config, check, option
-from deltalens.evaluation.options import COMPUTE_DTYPE_HELP, HF_ONLY, shared
+from deltalens.evaluation.options import COMPUTE_DTYPES_HELP, HF_ONLY, shared
 
 REPORT_LIMIT = 100  # default test problems of a report's evaluations (minutes on tiny; README)
 SPARSIFY_LIMIT = 100  # default test problems: a sweep of 6 evaluations x 100 x 32 fits minutes on tiny (README)
@@ -177,7 +177,7 @@ class ProbeConfig(Config):
     seed: int = shared("seed")
     json: str | None = shared("json")
     compute_dtype: str = shared("compute_dtype", needs=HF_ONLY, help=(
-        "what the HF passes and the ES populations generate in: " + COMPUTE_DTYPE_HELP.split(": ", 1)[1] +
+        "what the HF passes and the ES populations generate in: " + COMPUTE_DTYPES_HELP +
         " (ES: auto keeps fp32 where σ would drown in a bf16 matrix, as in `train es`)"))
 
     def __post_init__(self):

@@ -18,8 +18,8 @@ never at test):
   antithetic and noise family as the preset says) scored greedily on `es_prompts` training prompts each,
   through the local backend `deltalens train es` uses, and the share of populations whose member rewards
   are not all equal. Members are scored one by one even where the preset batches them: a batch of 8
-  members holds 8 members' KV cache (SmolLM2, 8 x 16 prompts: the probe peaked at 2.6 GB against
-  1.9 GB), and greedy rewards do not depend on the batching (`deltalens.training.es.population`);
+  members holds 8 members' KV cache (peaks in benchmarks/README.md), and greedy rewards do not depend on
+  the batching (`deltalens.training.es.population`);
 
 and ends in a one-line verdict. It is a cheap necessary condition, not a promise that training helps.
 
@@ -37,8 +37,8 @@ rows and peaked at 7.2 GB resident). `compute_dtype` is the HF passes' and the E
 (`deltalens.generation.dtype`; for ES, `ESConfig.compute_dtype`'s rule: with bf16 compute each member is
 written into the bf16 copy and the fp32 weights are never perturbed, so no restore copy of them is
 taken). With bf16 compute the HF passes need no fp32 weights: the loaded model is cast in place
-(`cast_in_place`, the bits of the bf16 copy) and the ES populations load the fp32 weights again (SmolLM2:
-~12 s more, 538 MB less while sampling). benchmarks/README.md has the measured peaks.
+(`cast_in_place`, the bits of the bf16 copy) and the ES populations load the fp32 weights again: one more
+load for the fp32 weights' memory while sampling. benchmarks/README.md has the measured peaks.
 
 Every numeric and named setting is checked up front (`check_probe_options`), before a task's data is read
 or a model loads, with a one-line error naming the option: a group must hold at least two samples (one

@@ -27,10 +27,11 @@ from deltalens.errors import DeltalensError
 from deltalens.evaluation.passk import parse_ks
 from deltalens.generation import SamplingParams
 
-COMPUTE_DTYPE_HELP = (
-    "what the HF backend generates in: fp32; bf16 (a bf16 copy of fp32 weights); auto (bf16 on a CPU with "
-    "AMX-BF16 or AVX512-BF16 or a GPU with bf16 for models of hidden size >= 512, measured 1.5-2x faster on CPU; else "
+COMPUTE_DTYPES_HELP = (  # the choices; COMPUTE_DTYPE_HELP says who generates in them
+    "fp32; bf16 (a bf16 copy of fp32 weights); auto (bf16 on a CPU with "
+    "AMX-BF16 or AVX512-BF16 or a GPU with bf16 for models of hidden size >= 512, measured ~2x faster on SmolLM2, benchmarks/README.md; else "
     "fp32); --dtype bf16/fp16 weights generate as they are")
+COMPUTE_DTYPE_HELP = "what the HF backend generates in: " + COMPUTE_DTYPES_HELP
 ARCH_HELP = ("architecture (tiny, smollm2, an HF/run directory, a config.json) for every bare .pt/.safetensors "
              "input of the command, the base included; default: the config.json beside each file")
 HF_ONLY = ("backend", ("hf",))  # `needs`: an option of the HF backend only (vLLM places and casts its own)

@@ -164,10 +164,9 @@ def _output_in_input_dtype(module, args, kwargs, out):
 
 
 def compute_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A copy of `model` whose parameters are `dtype`, except the norm layers' (`norm_modules`: kept in the
-    master dtype, their output cast to their input's dtype; see module doc); buffers and tied parameters are
-    kept as they are in `model`; `sync_copy` refreshes it from the masters. The fp32 parameters are never
-    copied whole."""
+    """A copy of `model` whose parameters are `dtype`, except the RMSNorm weights and Linear biases (kept in
+    the master dtype, `master_dtype_params`; see module doc); buffers and tied parameters are kept as they
+    are in `model`; `sync_copy` refreshes it from the masters. The fp32 parameters are never copied whole."""
     kept = _kept(model)
     memo = {id(p): torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype if id(p) in kept else dtype,
                                                   device=p.device), requires_grad=False)
@@ -182,9 +181,9 @@ def compute_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 @torch.no_grad()
 def cast_in_place(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Make `model` its own compute copy: the parameters `compute_copy` would cast are cast in place (the
-    fp32 storage is freed), the norm layers' kept, with the copy's hooks: the same bits `compute_copy` gives,
-    for a caller that needs no fp32 weights while it generates (`deltalens probe`: SmolLM2's HF passes hold
-    269 MB of weights instead of 538 + 269)."""
+    fp32 storage is freed), the RMSNorm weights and Linear biases kept, with the copy's hooks: the same bits
+    `compute_copy` gives, for a caller that needs no fp32 weights while it generates (`eval`, the probe's
+    passes: SmolLM2's weights then hold 269 MB instead of 538 + 269)."""
     kept = _kept(model)
     for p in model.parameters():
         if id(p) not in kept:

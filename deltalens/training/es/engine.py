@@ -46,12 +46,13 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend, SamplingParams
-from deltalens.generation.dtype import master_dtype_params, resolve_compute_dtype, sync_copy
+from deltalens.generation.dtype import master_dtype_params, resolve_compute_dtype
 from deltalens.generation.prompts import problem_prompts
 from deltalens.io.models import dtype_name, weights_checksum  # defined in io.models (shared with GRPO)
 from deltalens.training.es import lowrank  # noqa: F401 - registers the "lowrank" noise family
 from deltalens.training.es.config import ESConfig
-from deltalens.training.es.noise import Perturber, ReplicaES, make_family, noise_pool
+from deltalens.training.es.noise import Perturber, ReplicaES, block_in, make_family, noise_pool
+from deltalens.training.es.population import _key, _runner_params
 from deltalens.training.es.reference import ReferenceArithmetic
 from deltalens.training.es.strategy import CHUNK, iteration_problems, member_noise, noise_seed
 
@@ -287,9 +288,9 @@ class ESEngine:
         (`deltalens.training.es.population.evaluate_batched` evaluates several members per generation.)"""
         timing = timing if timing is not None else new_timing()
         problems = problems if problems is not None else iteration_problems(self.task, self.config, iteration)
-        out = {}
         if self._members_in_copy():
             return self._evaluate_in_copy(iteration, members, problems, timing)
+        out = {}
         for m in members:
             self.perturb(iteration, m, timing)
             t0 = time.perf_counter()
@@ -311,30 +312,32 @@ class ESEngine:
         """`evaluate_members` with each member written into the generator's compute copy: its trained
         tensors ← the master's + s·ε_k in fp32, cast once (`Perturber.members`, `shift_into`: the bits a
         perturbed master cast into the copy has, so rewards equal the perturb-and-restore path's), the rest
-        of the copy refreshed from the master once per call."""
+        of the copy refreshed from the master once per call. The copy keeps the last member afterwards:
+        every later `generate` outside `as_is` refreshes it from the master first (`HFBackend.runner`)."""
         t0 = time.perf_counter()
         runner = self.generator.runner()  # created, or refreshed from the master (untrained tensors too)
         if runner is self.model:  # never write members into the master here: nothing would restore it
             raise DeltalensError("internal: members in the compute copy, but the generator runs the master")
         timing["generation_s"] += time.perf_counter() - t0  # the cast, as `generate`'s own refresh counts
-        copy_of = dict(zip(map(id, self.model.parameters()), runner.parameters(), strict=True))
+        targets = _runner_params(self, runner)  # master tensor -> the copy's (as population batching pairs them)
+
+        def into(p: torch.Tensor) -> torch.Tensor:
+            return targets[_key(p)][0]
 
         def row(block, _g):  # the compute copy's part of one noise block
             j, flat, _ = block
             p = self.params[j][2]
-            off = (flat.data_ptr() - p.data_ptr()) // p.element_size()
-            return copy_of[id(p)].view(-1)[off:off + flat.numel()]
+            return block_in(flat, p, into(p))
 
         out = {}
         with self.generator.as_is():
             for m in members:
                 k, s = self.es.shift_of(m)
                 self.perturber.members(iteration, {k: [(0, s)]}, row, timing)
-                self.family.shift_into(iteration, k, s, lambda p: copy_of[id(p)], timing)
+                self.family.shift_into(iteration, k, s, into, timing)
                 t0 = time.perf_counter()
                 out[m] = self.score(problems, timing)
                 timing["generation_s"] += time.perf_counter() - t0
-        sync_copy(self.model, runner)  # the copy holds the centre again, for whoever generates next
         return out
 
     # -- update

@@ -59,6 +59,13 @@ from deltalens.training.es.strategy import (
 Block = tuple  # (owner key: a parameter position or name, flat view of the block, global block id)
 
 
+def block_in(flat: torch.Tensor, param: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """The part of `dst` (a tensor shaped like `param`: a member row, a compute copy's tensor) that the block
+    `flat`, a flat view of `param`, covers."""
+    off = (flat.data_ptr() - param.data_ptr()) // param.element_size()
+    return dst.view(-1)[off:off + flat.numel()]
+
+
 class NoiseFamily:
     """How ε of a block is drawn and how a block's update is accumulated (see the module docstring).
 

@@ -82,6 +82,7 @@ from deltalens.generation.batching import left_pad, length_batches
 from deltalens.generation.kv_cache import cache_name, new_cache, release_freed_memory
 from deltalens.generation.prompts import problem_prompts
 from deltalens.generation.sampling import sampling_kwargs
+from deltalens.training.es.noise import block_in
 
 # ----------------------------------------------------------------------------------------------
 # per-member tensors
@@ -168,9 +169,7 @@ def member_weights(engine, iteration: int, members: Sequence[int], timing: dict,
 
     def row(block, g):  # row g's copy of the block
         j, flat, _ = block
-        p = engine.params[j][2]
-        off = (flat.data_ptr() - p.data_ptr()) // p.element_size()
-        return stacks[j][g].view(-1)[off:off + flat.numel()]
+        return block_in(flat, engine.params[j][2], stacks[j][g])
 
     engine.perturber.members(iteration, users, row, timing)
     out = {}
@@ -251,13 +250,13 @@ def _member_forward(name: str, mod: nn.Module, members: Members):
                 else:  # a compute copy's fp32 bias: added in fp32 after the product, as its forward does
                     y = torch.bmm(xv, w_m.transpose(1, 2)).add_(b.unsqueeze(1))
                 return y.reshape(*x.shape[:-1], y.shape[-1])
-            shared_bias = bias if b_m is None and bias is not None and bias.dtype == x.dtype else None
-            y = F.linear(x, w, shared_bias)  # shared weights, all rows at once
-            if b_m is None and bias is not None and shared_bias is None:
-                y.add_(bias)  # a compute copy's fp32 bias (deltalens.generation.dtype)
+            fused = bias is not None and b_m is None and bias.dtype == x.dtype
+            y = F.linear(x, w, bias if fused else None)  # shared weights, all rows at once
             yv = y.view(members.count, -1, y.shape[-1])  # y is ours (fresh): updated in place below
             if b_m is not None:
                 yv.add_(b_m.unsqueeze(1))
+            elif bias is not None and not fused:
+                y.add_(bias)  # a compute copy's fp32 bias (deltalens.generation.dtype)
             if w_m is not None:  # low rank: += (x B_i)(±σ/√r A_i)ᵀ, accumulated into y (see module doc)
                 a, b = w_m
                 yv.baddbmm_(torch.bmm(xv, b), a.transpose(1, 2))
