@@ -41,17 +41,18 @@ app = typer.Typer(name="train", no_args_is_help=True, add_completion=False, pret
 RUN_PANEL = "Run"
 
 
-def _run_params() -> list[inspect.Parameter]:
-    """Options every new-run command has besides its config fields."""
+def _run_params(presets) -> list[inspect.Parameter]:
+    """Options every new-run command has besides its config fields; `presets`: the names --preset takes."""
     p = functools.partial(o.param, panel=RUN_PANEL)
+    names = ", ".join(dict.fromkeys(presets))
     return [
         p("out", Path | None, "--out", "-o", help="run directory to create"),
         p("resume", Path | None, "--resume", help="continue the run in this directory (its settings, plus the "
                                                   "options given, which may not change its trajectory)"),
         p("config_file", Path | None, "--config", help="YAML (or JSON) file of options, or a run's config.json (the "
                                                        "same run again); flags given here override it"),
-        p("preset", str | None, "--preset", help="hyperparameter preset: auto (the model's own, else paper), "
-                                                 "paper, tiny"),
+        p("preset", str | None, "--preset", help=f"hyperparameter preset: auto (the model's own, else paper), "
+                                                 f"{names}"),
         p("overwrite", bool, "--overwrite", help="replace an existing run in --out", default=False),
     ]
 
@@ -113,12 +114,13 @@ def _stage_params() -> list[inspect.Parameter]:
 
 for _m in methods.registered():  # es, grpo: one subcommand per registered method
     app.command(_m.name)(c.guard(o.command(
-        _m.name, _m.summary, _run_params() + o.config_params(_m.config, panel=f"{_m.config.NAME} options"),
+        _m.name, _m.summary, _run_params(_m.config.PRESETS) + o.config_params(_m.config, panel=f"{_m.config.NAME} options"),
         _single(_m))))
 app.command("chain")(c.guard(o.command(
     "chain", "ES then GRPO (or GRPO then ES, or any sequence of stage methods) as one run directory; --budget is "
              "split between the stages.",
-    _run_params() + o.config_params(ChainConfig, panel="Chain options") + _stage_params(), _chain)))
+    _run_params(p for m in stage_names() for p in methods.get(m).config.PRESETS)
+    + o.config_params(ChainConfig, panel="Chain options") + _stage_params(), _chain)))
 
 
 @app.command("resume")

@@ -32,8 +32,10 @@ logits did not change (fp32, one prompt) and records the check.
 
 from __future__ import annotations
 
+import math
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -112,38 +114,82 @@ def load_replay_model(model_spec: str, dtype: str, norm_scale: float | None):
     return model, tok, info
 
 
+def _snapshot(params, exact: bool) -> dict:
+    """The trained tensors at the start of an iteration: clones where the restore can drift (subtraction),
+    else a per-tensor digest (restore by copy: whether every bit came back is all there is to measure, and
+    a second full copy beside the engine's own restore copy would not fit a 1.5B model in 24 GiB)."""
+    import hashlib
+
+    import torch
+
+    if exact:
+        return {n: p.detach().clone() for _, n, p in params}
+    return {n: hashlib.blake2b(p.detach().contiguous().view(-1).view(torch.uint8).numpy(), digest_size=16).digest()
+            for _, n, p in params}
+
+
+def _drift(params, start: dict) -> tuple[float, int, int]:
+    """(max |θ - θ_start|, coordinates changed, coordinates) over the trained tensors; from digests only
+    bit-identical tensors can be told (a changed one is reported as drift NaN, never as 0)."""
+    worst, changed, total = 0.0, 0, 0
+    for _, n, p in params:
+        total += p.numel()
+        ref = start[n]
+        if isinstance(ref, bytes):
+            if _snapshot([(None, n, p)], exact=False)[n] != ref:
+                return float("nan"), -1, total
+            continue
+        d = (p.detach().float() - ref.float()).abs()
+        worst = max(worst, float(d.max()))
+        changed += int((d > 0).sum())
+    return worst, changed, total
+
+
 def replay(model_spec: str, arithmetic: str, dtype: str, iterations: int, population: int, seed: int,
            norm_scale: float | None = None) -> dict:
+    """One arithmetic replayed; memory: the model, the engine's restore copy (restore by copy) or one start
+    snapshot (subtraction), then the final weights beside the reloaded base (never three full copies)."""
+    import gc
+
     from deltalens.analysis.delta import diff_checkpoints
     from deltalens.tasks import get_task
     from deltalens.training.es.config import ESConfig
     from deltalens.training.es.engine import ESEngine, new_timing
 
     model, tok, folded = load_replay_model(model_spec, dtype, norm_scale)
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    restore = "subtract" if arithmetic == "reference" else "copy"
     cfg = ESConfig(population=population, sigma=1.5e-3, alpha=2.5e-4, arithmetic=arithmetic, seed=seed,
-                   restore="subtract" if arithmetic == "reference" else "copy", dtype=dtype, prompts_per_iteration=1)
+                   restore=restore, dtype=dtype, prompts_per_iteration=1)
     eng = ESEngine(model, tok, get_task("arith"), cfg)
     rng = random.Random(f"replay-fitness/{seed}")
     drift_max, drift_frac = 0.0, 0.0
     for it in range(1, iterations + 1):
-        start = {n: p.detach().clone() for _, n, p in eng.params}
+        start = _snapshot(eng.params, exact=restore == "subtract")
         timing = new_timing()
+        t0 = time.perf_counter()
         for m in range(population):
             eng.perturb(it, m, timing)
             eng.restore(it, m, timing)
-        changed = [(p.detach().float() - start[n].float()).abs() for _, n, p in eng.params]
-        drift_max = max(drift_max, max(float(c.max()) for c in changed))
-        drift_frac = max(drift_frac, sum(int((c > 0).sum()) for c in changed) / sum(c.numel() for c in changed))
+            if (m + 1) % 8 == 0 or m + 1 == population:  # a 1.5B model takes minutes per iteration
+                C.log(f"  {arithmetic}-{dtype} iteration {it}/{iterations}: {m + 1}/{population} members, "
+                      f"{time.perf_counter() - t0:.0f} s")
+        worst, changed, total = _drift(eng.params, start)
+        del start
+        # a digest mismatch (NaN, -1) stays NaN for the whole replay: never reported as a number
+        drift_max = worst if math.isnan(worst) or math.isnan(drift_max) else max(drift_max, worst)
+        drift_frac = float("nan") if changed < 0 or math.isnan(drift_frac) else max(drift_frac, changed / total)
         z = [rng.gauss(0, 1) for _ in range(population)]
         mean = sum(z) / population
         std = (sum((x - mean) ** 2 for x in z) / population) ** 0.5
         eng.update(it, [(x - mean) / std for x in z])
-    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
     eng.close()
-    d = diff_checkpoints({k: v.float() for k, v in base.items()}, [{k: v.float() for k, v in final.items()}],
-                         ["replay"], progress=False)["diff"]["replay"]
-    del model, base, final
+    del eng
+    gc.collect()  # the engine's restore copy goes before the base is loaded again
+    base, _, _ = load_replay_model(model_spec, dtype, norm_scale)  # the same weights, loaded (and folded) again
+    # the diff reduces any float dtype in fp32 chunks; the state dicts keep tied tensors tied
+    d = diff_checkpoints(base.state_dict(), [model.state_dict()], ["replay"], progress=False)["diff"]["replay"]
+    del model, base
+    gc.collect()
     return {"arithmetic": arithmetic, "dtype": dtype, "iterations": iterations, "population": population,
             "restore_drift_max": drift_max, "restore_drift_frac": drift_frac,
             "top_abs": d["topk"]["abs"]["composition"], "top_rel": d["topk"]["rel"]["composition"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -126,3 +127,19 @@ def test_10_norm_scale_keeps_the_function_and_moves_the_norms():
     with pytest.raises(SystemExit) as e:
         mod.main(["--quick", "--norm-scale", "0"])
     assert e.value.code == 2
+
+
+def test_10_drift_from_digests_never_reads_as_zero():
+    """Restore-by-copy replays keep a digest per tensor, not a clone: a changed bit reads NaN, not 0 drift."""
+    import torch
+
+    mod = load("10_arithmetic_replay.py")
+    params = [(0, "a", torch.zeros(5)), (1, "b", torch.ones(3))]
+    for exact in (True, False):
+        start = mod._snapshot(params, exact=exact)
+        assert mod._drift(params, start) == (0.0, 0, 8)
+    start = {True: mod._snapshot(params, exact=True), False: mod._snapshot(params, exact=False)}
+    params[1][2][2] += 2.0 ** -20
+    assert mod._drift(params, start[True]) == (2.0 ** -20, 1, 8)
+    worst, changed, total = mod._drift(params, start[False])
+    assert math.isnan(worst) and changed == -1 and total == 8
