@@ -17,7 +17,8 @@ For each: the group composition of the top-100 coordinates by |Δ| and by |Δ|/|
 parameter group, and the restore drift (how far the weights are from where they started after all
 members of an iteration were perturbed and restored, before the update). Hypothesis under test
 (arXiv 2608.27351's "ES's top changes sit in norm weights"): the bf16 restore drift and the correlated
-noise, not learning, put the norm weights on top. Writes <out>/10_arithmetic_replay.json.
+noise, not learning, put the norm weights on top. Writes <out>/10_arithmetic_replay.json; each
+arithmetic's result is kept in <out>/10_arithmetic_replay.parts/ as it finishes, and the same command reuses it.
 
 `--norm-scale M` first reparametrizes the model, without changing its function, so that every RMSNorm
 weight vector has median |g| = M: each decoder layer's norm weight g is multiplied by c = M / median|g|
@@ -32,6 +33,7 @@ logits did not change (fp32, one prompt) and records the check.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -210,9 +212,22 @@ def main(argv=None) -> dict:
     population = args.population or (4 if args.quick else 32)
     seed = C.seeds_of(args)[0]
     results = {}
+    # each arithmetic's result is kept as it finishes (a 1.5B model takes ~15 min per arithmetic and iteration):
+    # the same command skips the ones done with the same settings
+    key = {"model": args.model, "iterations": iterations, "population": population, "seed": seed,
+           "norm_scale": args.norm_scale}
     for name, (arithmetic, dtype) in ARITHMETICS.items():
+        done = Path(args.out) / "10_arithmetic_replay.parts" / f"{name}.json"
+        if done.is_file() and json.loads(done.read_text()).get("key") == key:
+            print(f"{name}: done before ({done}), reused", flush=True)
+            results[name] = json.loads(done.read_text())["result"]
+            continue
         print(f"{name}: {iterations} iterations x {population} members", flush=True)
         results[name] = replay(args.model, arithmetic, dtype, iterations, population, seed, args.norm_scale)
+        done.parent.mkdir(parents=True, exist_ok=True)
+        tmp = done.with_suffix(".tmp")  # written whole, then renamed: a killed run leaves no half file
+        tmp.write_text(json.dumps({"key": key, "result": results[name]}, indent=1, default=str))
+        tmp.replace(done)
     groups = sorted({g for r in results.values() for g in (*r["top_abs"], *r["top_rel"])})
     rows = [[name, f"{r['restore_drift_max']:.2e}", f"{r['restore_drift_frac']:.2f}",
              *[str(r["top_abs"].get(g, 0)) for g in groups], *[str(r["top_rel"].get(g, 0)) for g in groups]]

@@ -99,6 +99,15 @@ def test_10_arithmetic_replay(dirs):
     assert r["ours-fp32"]["restore_drift_max"] == 0.0 and r["ours-bf16"]["restore_drift_max"] == 0.0  # exact
     assert r["ref-bf16"]["restore_drift_max"] > 1e-3  # subtraction in bf16 leaves weights off by a bf16 step
     assert all(sum(x["top_abs"].values()) == 100 for x in r.values())
+    # each arithmetic was kept as it finished; the same command reuses them (nothing replayed), other settings do not
+    mod = load("10_arithmetic_replay.py")
+    calls = []
+    real = mod.replay
+    mod.replay = lambda *a, **k: calls.append(a) or real(*a, **k)
+    again = mod.main(["--quick", "--seeds", "0", "--out", str(dirs[1])])
+    assert calls == [] and json.loads(json.dumps(again["results"])) == json.loads(json.dumps(r))
+    mod.main(["--quick", "--seeds", "0", "--out", str(dirs[1]), "--population", "2"])
+    assert len(calls) == 4
 
 
 def test_10_norm_scale_keeps_the_function_and_moves_the_norms():

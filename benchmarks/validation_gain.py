@@ -1,0 +1,76 @@
+"""Did a training run raise validation Pass@1 over its base? Sampled Pass@1 of both on the same validation
+problems, with the paired standard error over problems (issue #33's "ES and GRPO each raise validation
+Pass@1 on Qwen2.5-0.5B (one seed, the presets' intervals)").
+
+    python benchmarks/validation_gain.py RUN_DIR [--limit 100] [--samples 8] [--dir DIR] [--out FILE]
+
+Evaluates the run's base model (its config.json's `model`) and its final weights with `deltalens eval
+--split validation --limit L --samples S --k 1 --temperature 0.6 --seed 0 --compute-dtype auto` (one and the
+same evaluation for both, so only the weights differ; each eval JSON is kept in DIR and reused), then reports
+
+- Pass@1 of each with its SE over problems, and final minus base with the paired SE (the same problems and
+  sampling seed) and a 95% normal interval: "raised" when its lower end is above 0;
+- the run's own greedy validation curve (metrics.jsonl `eval.pass_at_1`, the first `eval_limit` problems)
+  and its training seconds and per-iteration mean rewards;
+- the per-problem correct counts of both, so every number can be re-derived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from es_compute_dtype_agreement import evaluate, mean_se, rates, run_facts
+
+
+def greedy_curve(run: Path) -> dict[int, float]:
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if isinstance(row.get("eval"), dict) and "pass_at_1" in row["eval"]:
+            out[row["iteration"]] = row["eval"]["pass_at_1"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", type=Path, help="a finished deltalens run directory")
+    ap.add_argument("--limit", type=int, default=100, help="validation problems")
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--dir", type=Path, default=None, help="where the eval JSONs go (default: RUN/validation-gain)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    config = json.loads((args.run / "config.json").read_text())
+    root = args.dir or args.run / "validation-gain"
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    tag = f"{args.limit}x{args.samples}"
+    evs = {"base": evaluate(config["model"], root / f"eval-base-{tag}.json", args.limit, args.samples),
+           "final": evaluate(str(args.run), root / f"eval-final-{tag}.json", args.limit, args.samples)}
+    per = {k: rates(ev) for k, ev in evs.items()}
+    res = {"date": time.strftime("%Y-%m-%d"), "run": str(args.run), "method": config.get("method"),
+           "model": config["model"], "task": config.get("task"), "validation_problems": args.limit,
+           "samples": args.samples, "temperature": 0.6, "eval_compute_dtype": "auto", "pass_at_1": {}}
+    for k, x in per.items():
+        m, se = mean_se(x)
+        res["pass_at_1"][k] = {"mean": round(m, 4), "se": round(se, 4)}
+    dm, dse = mean_se([a - b for a, b in zip(per["final"], per["base"])])
+    res["final_minus_base"] = {"mean": round(dm, 4), "paired_se": round(dse, 4),
+                               "ci95": [round(dm - 1.96 * dse, 4), round(dm + 1.96 * dse, 4)],
+                               "raised": dm - 1.96 * dse > 0}
+    res["greedy_validation_curve"] = greedy_curve(args.run)
+    res["run_facts"] = run_facts(args.run)
+    res["per_problem_correct"] = {k: [row["correct"] for row in ev["per_problem"]] for k, ev in evs.items()}
+    res["wall_s"] = round(time.time() - t0)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
