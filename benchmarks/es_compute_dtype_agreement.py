@@ -114,6 +114,16 @@ def run_facts(run: Path) -> dict:
     return {"train_seconds": round(secs), "reward_mean_per_iteration": rewards}
 
 
+def finish(res: dict, evs: dict, t0: float, out: str | None) -> None:
+    """Add every evaluation's per-problem correct counts and the wall time; print the JSON, write it to `out`."""
+    res["per_problem_correct"] = {k: [row["correct"] for row in ev["per_problem"]] for k, ev in evs.items()}
+    res["wall_s"] = round(time.time() - t0)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -146,12 +156,7 @@ def main():
     res["bf16_minus_fp32"] = {"mean": round(dm, 4), "paired_se": round(dse, 4), "within_2se": abs(dm) <= 2 * dse}
     res["distance"] = distances(args.model, runs)
     res["runs"] = {d: run_facts(run) for d, run in runs.items()}
-    res["per_problem_correct"] = {k: [row["correct"] for row in ev["per_problem"]] for k, ev in evs.items()}
-    res["wall_s"] = round(time.time() - t0)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    finish(res, evs, t0, args.out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from es_compute_dtype_agreement import evaluate, mean_se, rates, run_facts
+from es_compute_dtype_agreement import evaluate, finish, mean_se, rates, run_facts
 
 
 def greedy_curve(run: Path) -> dict[int, float]:
@@ -64,12 +64,7 @@ def main():
                                "raised": dm - 1.96 * dse > 0}
     res["greedy_validation_curve"] = greedy_curve(args.run)
     res["run_facts"] = run_facts(args.run)
-    res["per_problem_correct"] = {k: [row["correct"] for row in ev["per_problem"]] for k, ev in evs.items()}
-    res["wall_s"] = round(time.time() - t0)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    finish(res, evs, t0, args.out)
 
 
 if __name__ == "__main__":
