@@ -5,7 +5,8 @@
               (docs/tuning.md: "SmolLM2-135M-Instruct")
     qwen2.5-0.5b
               task QWEN05_TASK, chosen on validation problems only (docs/tuning.md: "Qwen2.5-Coder-0.5B-Instruct
-              and Gemma-3-270M"); presets `paper` (not tuned for it yet). gemma3-270m has none yet: its
+              and Gemma-3-270M"); presets `qwen2.5` (ES chosen on validation; GRPO's not checked yet:
+              docs/tuning.md "ES on Qwen2.5-Coder-0.5B"). gemma3-270m has none yet: its
               best candidate is at the rule's edge (greedy 0.13-0.16) and loads worse under the vLLM
               venv's transformers 5.19 (same docs section)
     a deltalens run directory (or a checkpoint inside one): the task it was trained on (its config.json)
@@ -28,7 +29,7 @@ QWEN05_TASK = "add:digits=1-2,terms=3,shots=2"
 MODELS = {
     "tiny": {"task": "arith", "preset": "tiny"},
     "smollm2": {"task": SMOLLM2_TASK, "preset": "smollm2"},
-    "qwen2.5-0.5b": {"task": QWEN05_TASK, "preset": "paper"},
+    "qwen2.5-0.5b": {"task": QWEN05_TASK, "preset": "qwen2.5"},
 }
 FALLBACK_TASK = "arith"
 

@@ -33,6 +33,11 @@ def test_named_models_get_the_tasks_chosen_for_them():
     for name in ("gemma3-270m", "qwen2.5-1.5b"):
         assert presets.default_task(name) == presets.FALLBACK_TASK
     assert presets.auto_preset("qwen2.5-1.5b") == "paper"
+    # ES's qwen2.5 preset is smollm2's scaled to Qwen's ~13x smaller weights (docs/tuning.md)
+    assert presets.auto_preset("qwen2.5-0.5b") == "qwen2.5"
+    qwen, smol = ESConfig.PRESETS["qwen2.5"], ESConfig.PRESETS["smollm2"]
+    assert qwen["sigma"] < smol["sigma"] / 10 and {k: v for k, v in qwen.items() if k not in ("sigma", "alpha")} == {
+        k: v for k, v in smol.items() if k not in ("sigma", "alpha")}
     assert presets.default_task("some/hub-id") == "arith" and presets.default_task(None) == "arith"
 
 
