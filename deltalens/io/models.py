@@ -190,16 +190,35 @@ def _no_load_report():
         log.removeFilter(drop)
 
 
+def _gguf_dequantized() -> dict:
+    """`quantization_config=GgufConfig(dequantize=True)` where transformers has it (5.19 on): a GGUF is our base
+    as plain dequantized tensors. transformers 5.25's new GGUF loader keeps the weights packed in their quantized
+    blocks for the architectures it covers (lfm2, qwen3.5 so far; llama, qwen2 and gemma3 still go through the
+    legacy loader, which dequantizes) once it finds a matmul kernel on the hub: ES, diff and sparsify would
+    then see no ordinary weights. Asking for the dequantized model also skips that lookup and the warning a
+    non-fp32 load printed ("the weights stay quantized regardless"), which was not true of our models."""
+    import inspect
+
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older transformers: always dequantized
+        return {}
+    if "dequantize" not in inspect.signature(GgufConfig.__init__).parameters:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def _from_pretrained(ref: ModelRef, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     kind, loc = ref.kind, ref.location
+    extra = _gguf_dequantized() if kind == "gguf" else {}
     try:
         # sizes that do not match are reported (and refused by _check_loading_info), not raised by
         # transformers with a pointer to the report muted here
         with _no_load_report():
             model, info = _pretrained(AutoModelForCausalLM, ref, dtype=dtype, output_loading_info=True,
-                                      ignore_mismatched_sizes=True)
+                                      ignore_mismatched_sizes=True, **extra)
     except DeltalensError:
         raise
     except ImportError as e:

@@ -1,5 +1,6 @@
 """Loader round-trips for every model form, and clear errors (exit 2) for bad input."""
 
+import inspect
 import pickle
 import shutil
 import sys
@@ -100,6 +101,28 @@ def test_gguf_smollm2(smollm2):
     ids = tok("The capital of France is", return_tensors="pt")
     out = model.generate(**ids, max_new_tokens=3, do_sample=False)
     assert out.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_a_gguf_is_loaded_asking_for_dequantized_weights(smollm2, monkeypatch):
+    """transformers >= 5.25 keeps GGUF weights packed in their quantized blocks for the architectures its new
+    loader covers (lfm2, qwen3.5 in 5.25), after looking up a matmul kernel on the hub; deltalens asks for the
+    dequantized model (GgufConfig(dequantize=True)) so that no later transformers can hand ES, diff or
+    sparsify packed weights, and no kernel is looked up."""
+    transformers = pytest.importorskip("transformers")
+    if "dequantize" not in inspect.signature(transformers.GgufConfig.__init__).parameters:
+        pytest.skip("this transformers always dequantizes")
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("quantization_config"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    model, _ = load_model(str(smollm2), dtype="bf16")
+    assert len(seen) == 1 and isinstance(seen[0], transformers.GgufConfig) and seen[0].dequantize is True
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert len(linears) == 211 and all(m.weight.dtype == torch.bfloat16 for m in linears)
 
 
 class _Evil:
