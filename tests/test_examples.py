@@ -108,6 +108,12 @@ def test_10_arithmetic_replay(dirs):
     assert calls == [] and json.loads(json.dumps(again["results"])) == json.loads(json.dumps(r))
     mod.main(["--quick", "--seeds", "0", "--out", str(dirs[1]), "--population", "2"])
     assert len(calls) == 4
+    sub = mod.main(["--quick", "--seeds", "0", "--out", str(dirs[1]), "--population", "2",
+                    "--arithmetics", "ref-bf16,ours-fp32"])
+    assert list(sub["results"]) == ["ref-bf16", "ours-fp32"] and len(calls) == 4  # both kept by the N = 2 run
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--quick", "--arithmetics", "ours-fp16"])
+    assert e.value.code == 2
 
 
 def test_10_norm_scale_keeps_the_function_and_moves_the_norms():
