@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--population", type=int, default=None, help="members per iteration (default 32, quick 4)")
     ap.add_argument("--arithmetics", default=",".join(ARITHMETICS),
                     help="which to replay, comma-separated, in this order (default: all four; on a 1.5B model the "
-                         "reference ones take ~35 min each on one core)")
+                         "reference ones took ~25 min each on one core, 2026-12-05)")
     ap.add_argument("--norm-scale", type=float, default=None, metavar="M",
                     help="first reparametrize the model (same function) so every norm weight has median |g| M")
     args = ap.parse_args(argv)
@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
     population = args.population or (4 if args.quick else 32)
     seed = C.seeds_of(args)[0]
     results = {}
-    # each arithmetic's result is kept as it finishes (a 1.5B model takes ~15 min per arithmetic and iteration):
+    # each arithmetic's result is kept as it finishes (a 1.5B model took 10-26 min per arithmetic and iteration):
     # the same command skips the ones done with the same settings
     key = {"model": args.model, "iterations": iterations, "population": population, "seed": seed,
            "norm_scale": args.norm_scale}
