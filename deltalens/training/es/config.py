@@ -33,6 +33,12 @@ def noise_families() -> tuple[str, ...]:
     return NOISE + tuple(n for n in registered if n not in NOISE)
 
 
+# the `smollm2` ES preset (see ESConfig.PRESETS), which `qwen2.5` rescales
+SMOLLM2_PRESET = {"population": 16, "prompts_per_iteration": 16, "sigma": 3e-3, "alpha": 3e-3, "antithetic": True,
+                  "noise": "lowrank", "rank": 1, "population_batch": 16,
+                  "eval_every": 10, "eval_limit": 100, "checkpoint_every": 10}
+
+
 @dataclass
 class ESConfig(Config):
     """Hyperparameters of an ES run (deltalens.training.es; arXiv 2509.24372 as used by arXiv 2608.27351)."""
@@ -108,15 +114,11 @@ class ESConfig(Config):
         # SmolLM2-135M-Instruct (`smollm2`), chosen on validation problems (docs/tuning.md, 2026-12-01): low-rank
         # (r=1) antithetic noise, σ 2x and α 12x the paper's, N=16, P=16, population-batched; 25 iterations
         # raised greedy validation Pass@1 0.355 -> 0.48 (the paper's σ/α with dense noise, N=16, P=8 did not move it)
-        "smollm2": {"population": 16, "prompts_per_iteration": 16, "sigma": 3e-3, "alpha": 3e-3, "antithetic": True,
-                    "noise": "lowrank", "rank": 1, "population_batch": 16,
-                    "eval_every": 10, "eval_limit": 100, "checkpoint_every": 10},
+        "smollm2": SMOLLM2_PRESET,
         # Qwen2.5-Coder-0.5B-Instruct (`qwen2.5-0.5b`), chosen on validation problems (docs/tuning.md, 2026-12-05):
         # `smollm2` with σ and α scaled to Qwen's weights (matrix median |w| ~0.009 against SmolLM2's ~0.12);
         # `smollm2`'s own σ = 3e-3 took greedy validation Pass@1 0.46 -> 0.38 in 5 iterations
-        "qwen2.5": {"population": 16, "prompts_per_iteration": 16, "sigma": 2.5e-4, "alpha": 2.5e-4,
-                    "antithetic": True, "noise": "lowrank", "rank": 1, "population_batch": 16,
-                    "eval_every": 10, "eval_limit": 100, "checkpoint_every": 10},
+        "qwen2.5": {**SMOLLM2_PRESET, "sigma": 2.5e-4, "alpha": 2.5e-4},
         # for the bundled tiny model; chosen on test problems (no validation split then), re-checked on validation
         # with `deltalens sweep` (2026-12-01: best of σ 3e-3..1.2e-2 and α 1.5e-3..6e-3): docs/tuning.md
         "tiny": {"sigma": 6e-3, "alpha": 3e-3, "antithetic": True, "population": 32, "prompts_per_iteration": 64,

@@ -26,6 +26,11 @@ SCALE_REWARDS = ("group", "batch", "none")
 DEFAULT_STEPS = 100
 
 
+# the `smollm2` GRPO preset (see GRPOConfig.PRESETS), which `qwen2.5` reuses unchecked
+SMOLLM2_PRESET = {"learning_rate": 1e-5, "prompts_per_step": 4, "num_generations": 8, "eval_every": 10,
+                  "eval_limit": 100, "save_every": 10}
+
+
 @dataclass
 class GRPOConfig(Config):
     """Hyperparameters of a GRPO run (TRL GRPOConfig style: one help line per field)."""
@@ -96,12 +101,10 @@ class GRPOConfig(Config):
         "paper": {},
         # SmolLM2-135M-Instruct (`smollm2`): lr 10x the paper's for CPU-sized runs (P=4 prompts x G=8);
         # checked on validation problems: docs/tuning.md
-        "smollm2": {"learning_rate": 1e-5, "prompts_per_step": 4, "num_generations": 8, "eval_every": 10,
-                    "eval_limit": 100, "save_every": 10},
+        "smollm2": SMOLLM2_PRESET,
         # Qwen2.5-Coder-0.5B-Instruct (`qwen2.5-0.5b`): the CPU-sized `smollm2` settings, NOT yet checked on Qwen
         # (no GRPO run on it has been evaluated: docs/tuning.md); here so `--preset auto` names one preset for both
-        "qwen2.5": {"learning_rate": 1e-5, "prompts_per_step": 4, "num_generations": 8, "eval_every": 10,
-                    "eval_limit": 100, "save_every": 10},
+        "qwen2.5": SMOLLM2_PRESET,
         # for the bundled tiny model; chosen on test problems (no validation split then), re-checked on validation
         # with `deltalens sweep` (2026-12-01: best of lr 2e-5, 5e-5, 1e-4): docs/tuning.md
         "tiny": {"learning_rate": 5e-5, "prompts_per_step": 8, "num_generations": 8, "steps": 200,
