@@ -260,10 +260,11 @@ def _passes(gen, task: Task, problems, samples: int, group: int, temperatures: S
             prog(done[0], total)
 
     sampled, signal_comps = [], None
+    stop = task.stop_strings(gen.chat)  # raw few-shot prompts: cut before the next example
     for t in temperatures:
         log(f"sampling {len(problems)} x {samples} at T={t:g}")
-        comps = gen.generate(prompts, SamplingParams(n=samples, temperature=t, max_new_tokens=max_new, seed=seed),
-                             progress=tick)
+        comps = gen.generate(prompts, SamplingParams(n=samples, temperature=t, max_new_tokens=max_new, seed=seed,
+                                                        stop=stop), progress=tick)
         summary = summarize(task, problems, comps, sorted({1, group, samples}), seed=seed)
         rewards = [[task.score_problem(c, p) for c in cs] for p, cs in zip(problems, comps)]
         groups = [r[i:i + group] for r in rewards for i in range(0, samples, group)]  # G consecutive samples
@@ -276,6 +277,6 @@ def _passes(gen, task: Task, problems, samples: int, group: int, temperatures: S
         if t == signal_t:
             signal_comps = comps  # the other temperatures' strings are dropped here
     log("greedy decoding")
-    greedy_comps = gen.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new))
+    greedy_comps = gen.generate(prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new, stop=stop))
     greedy = summarize(task, problems, greedy_comps, [1], seed=seed)
     return sampled, greedy, signal_comps, prompts

@@ -54,9 +54,10 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
     if not problems:
         raise DeltalensError(f"task {task.name} has no {split} problems")
     ks = parse_ks(ks)
-    params = SamplingParams(n=samples, temperature=temperature, top_p=top_p,
-                            max_new_tokens=max_new_tokens or task.max_new_tokens, seed=seed)
     backend = backend or HFBackend(model, tokenizer, chat_template=chat_template, compute_dtype=compute_dtype)
+    params = SamplingParams(n=samples, temperature=temperature, top_p=top_p,
+                            max_new_tokens=max_new_tokens or task.max_new_tokens, seed=seed,
+                            stop=task.stop_strings(backend.chat))
     total = len(problems) * samples
     done = [0]
 
@@ -74,6 +75,8 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
     out = {"task": task.spec, "split": split, "n_problems": len(problems), "samples": samples,
            "temperature": temperature, "top_p": top_p, "seed": seed, "max_new_tokens": params.max_new_tokens,
            "chat_template": backend.chat}
+    if params.stop:  # raw few-shot prompts: completions cut before the next example (`Task.stop_strings`)
+        out["stop"] = list(params.stop)
     if isinstance(backend, HFBackend):  # what generation ran in (`auto` resolved): fp32, bf16, fp16
         out["compute_dtype"] = dtype_name(backend.dtype)
     out.update(summarize(task, problems, completions, ks, seed=seed, keep_completions=keep_completions))

@@ -2,7 +2,8 @@
 
 Every (prompt, sample) pair goes through `generate` with a KV cache and left padding, in batches of a
 token budget with prompts sorted by token length (`deltalens.generation.batching`), results put back in
-the caller's order, each sequence stopped at EOS. Per batch (`_generate_batch`):
+the caller's order, each sequence stopped at EOS or at a stop string (`params.stop`, checked between
+segments; the text is cut before it). Per batch (`_generate_batch`):
 
 1. Prefill once per prompt (n > 1): a batch holds each of its prompts' samples side by side, so the
    prompt's tokens but the last go through the model once per distinct prompt (left padded, position
@@ -14,7 +15,7 @@ the caller's order, each sequence stopped at EOS. Per batch (`_generate_batch`):
    (`deltalens.training.es.population`).
 2. Finished rows leave the batch: `generate` runs SEGMENT new tokens per call, continuing from the
    returned KV cache (the same arithmetic as one call), and between calls the rows that reached EOS
-   leave the batch and the cache. transformers itself computes every row until the batch's longest
+   (or wrote a stop string) leave the batch and the cache. transformers itself computes every row until the batch's longest
    ends: on SmolLM2 at T=1 most rows end within 20 tokens while one may run to the limit.
 
 Greedy completions do not depend on the budget (rows are computed alike whatever the batch; checked on
@@ -51,11 +52,21 @@ from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, token_budget
 from deltalens.generation.dtype import compute_copy, resolve_compute_dtype, sync_copy
 from deltalens.generation.kv_cache import cache_name, new_cache, release_freed_memory
-from deltalens.generation.params import SamplingParams
+from deltalens.generation.params import SamplingParams, cut_at_stop
 from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
 from deltalens.generation.sampling import sampling_kwargs
 
 SEGMENT = 16  # new tokens per `generate` call between removals of finished rows
+
+
+def ended_rows(tok, gen: torch.Tensor, stop: tuple[str, ...] = ()) -> torch.Tensor:
+    """(rows,) bool: which rows of `gen` (rows, new tokens) hold EOS, or (with `stop`) a stop string in
+    their text so far."""
+    ended = (gen == tok.eos_token_id).any(1)
+    if stop:
+        for r in (~ended).nonzero().flatten().tolist():
+            ended[r] = cut_at_stop(tok.decode(gen[r].tolist(), skip_special_tokens=True), stop)[1]
+    return ended
 
 
 class HFBackend:
@@ -133,7 +144,7 @@ class HFBackend:
                 rows = self._generate_batch(runner, [i for i, _ in chunk], enc, params)
                 release_freed_memory()  # the batch's cache and logits, back to the OS (`kv_cache`)
                 for (i, j), row in zip(chunk, rows):
-                    out[i][j] = self.tok.decode(row, skip_special_tokens=True)
+                    out[i][j] = cut_at_stop(self.tok.decode(row, skip_special_tokens=True), params.stop)[0]
                 if progress is not None:
                     progress(len(chunk))
         finally:
@@ -181,7 +192,7 @@ class HFBackend:
             ids, cache, produced = res.sequences, getattr(res, name), produced + new
             att = torch.cat([att, att.new_ones(att.shape[0], new)], dim=1)
             gen = ids[:, width:]
-            ended = (gen == eos).any(1)
+            ended = ended_rows(tok, gen, params.stop)
             done = torch.ones_like(ended) if produced >= params.max_new_tokens or new < step else ended
             for r in done.nonzero().flatten().tolist():
                 row = gen[r].tolist()

@@ -1,4 +1,11 @@
-"""Sampling parameters and the generation-backend interface every backend implements."""
+"""Sampling parameters and the generation-backend interface every backend implements.
+
+Stop strings: a completion is cut before the first occurrence of any of `stop` (the string itself is not
+kept, as vLLM and lm-evaluation-harness's `until` do). Tasks give them for few-shot prompts in raw text,
+where a base model goes on to write the next example (`Task.stop_strings`). Backends also stop generating
+a row once its text holds one: HF checks at its segment boundaries (so up to SEGMENT - 1 tokens past the
+stop string are computed and thrown away), vLLM as it decodes.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 64
     seed: int = 0
+    stop: tuple[str, ...] = ()  # cut each completion before the first of these strings (none: EOS or the limit)
 
     def __post_init__(self):
         if self.n < 1:
@@ -28,6 +36,15 @@ class SamplingParams:
             raise DeltalensError(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.max_new_tokens < 1:
             raise DeltalensError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if isinstance(self.stop, str) or not all(isinstance(t, str) and t for t in self.stop):
+            raise DeltalensError(f"stop must be a tuple of non-empty strings (got {self.stop!r})")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """(text before the earliest stop string, whether one occurred)."""
+    at = min((i for i in (text.find(t) for t in stop) if i >= 0), default=-1)
+    return (text, False) if at < 0 else (text[:at], True)
 
 
 class GenerationBackend(Protocol):

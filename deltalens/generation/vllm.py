@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from deltalens.errors import DeltalensError
-from deltalens.generation.params import SamplingParams
+from deltalens.generation.params import SamplingParams, cut_at_stop
 from deltalens.generation.prompts import encode_prompts, format_prompt, uses_chat
 from deltalens.generation.vllm_weights import LOAD_RPC, WEIGHTS_EXTENSION
 
@@ -195,16 +195,18 @@ class VLLMBackend:
               "detokenize": False}
         if self.tok.eos_token_id is not None:
             kw["stop_token_ids"] = [self.tok.eos_token_id]
+        if params.stop:  # vLLM matches stop strings on its detokenized text; `decode` cuts ours the same way
+            kw["stop"], kw["detokenize"] = list(params.stop), True
         if self.repetition_penalty is not None:
             kw["repetition_penalty"] = self.repetition_penalty
         return vllm.SamplingParams(**kw)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], stop: tuple[str, ...] = ()) -> str:
         row = list(token_ids)
         eos = self.tok.eos_token_id
         if eos is not None and eos in row:
             row = row[: row.index(eos)]
-        return self.tok.decode(row, skip_special_tokens=True)
+        return cut_at_stop(self.tok.decode(row, skip_special_tokens=True), stop)[0]
 
     def generate(self, prompts: list[str], params: SamplingParams,
                  progress: Callable[[int], None] | None = None) -> list[list[str]]:
@@ -231,7 +233,7 @@ class VLLMBackend:
                 outs = sorted(res.outputs, key=lambda o: o.index)
                 if len(outs) != params.n:
                     raise DeltalensError(f"vLLM returned {len(outs)} samples for prompt {i}, expected {params.n}")
-                out.append([self.decode(o.token_ids) for o in outs])
+                out.append([self.decode(o.token_ids, params.stop) for o in outs])
                 stats["prompt_tokens"] += len(enc[i])
                 stats["completion_tokens"] += sum(len(o.token_ids) for o in outs)
             stats["sequences"] += len(reqs) * params.n

@@ -129,6 +129,16 @@ class Task:
         turns.append({"role": "user", "content": self.chat_question(p)})
         return Problem(raw, p.answer, p.solution, p.meta, tuple(turns))
 
+    def stop_strings(self, chat: bool) -> tuple[str, ...]:
+        """Where a completion of a raw few-shot prompt ends (`SamplingParams.stop`). The examples are
+        separated by a blank line, so a base model that goes on to write the next example writes a blank
+        line and the start of a prompt ("\\n\\nQ:"): the completion is cut there. Chat prompts (the template
+        ends the turn with EOS) and zero-shot raw prompts have none."""
+        if chat or not self.shots:
+            return ()
+        words = self.examples()[0].prompt.split()
+        return (f"\n\n{words[0]}" if words else "\n\n",)
+
     # -- verification
     def stated(self, completion: str) -> str | None:
         """The answer in the stated format (`#### <answer>`), canonical, or None."""

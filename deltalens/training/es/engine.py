@@ -265,7 +265,7 @@ class ESEngine:
     # -- rewards
     def sampling_params(self):
         return SamplingParams(n=1, temperature=self.config.temperature, max_new_tokens=self.max_new_tokens,
-                              seed=self.config.seed)
+                              seed=self.config.seed, stop=self.task.stop_strings(self.generator.chat))
 
     def mean_reward(self, completions: Sequence[str], problems, timing: dict | None = None) -> float:
         """Mean reward of one completion per problem; counts the completions' tokens into `timing` (the

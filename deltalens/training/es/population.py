@@ -79,7 +79,9 @@ from torch import nn
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches
+from deltalens.generation.hf import ended_rows
 from deltalens.generation.kv_cache import cache_name, new_cache, release_freed_memory
+from deltalens.generation.params import cut_at_stop
 from deltalens.generation.prompts import problem_prompts
 from deltalens.generation.sampling import sampling_kwargs
 from deltalens.training.es.noise import block_in
@@ -363,15 +365,15 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
                 seqs, cache, produced = res.sequences, getattr(res, name), produced + new
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
                 gen = seqs[:, t:].cpu()
-                ended = (gen == eos).any(1).view(len(live), len(chunk)).all(1).tolist()
+                ended = ended_rows(tok, gen, params.stop).view(len(live), len(chunk)).all(1).tolist()
                 stop = produced >= params.max_new_tokens or new < step
                 keep = [k for k in range(len(live)) if not (stop or ended[k])]
                 for k, g in enumerate(live):
                     if k not in keep:
                         for r, i in enumerate(chunk):
                             row = gen[k * len(chunk) + r].tolist()
-                            out[g][i] = tok.decode(row[:row.index(eos)] if eos in row else row,
-                                                   skip_special_tokens=True)
+                            text = tok.decode(row[:row.index(eos)] if eos in row else row, skip_special_tokens=True)
+                            out[g][i] = cut_at_stop(text, params.stop)[0]
                 if keep and len(keep) < len(live):
                     rows = torch.cat([torch.arange(k * len(chunk), (k + 1) * len(chunk)) for k in keep])
                     rows = rows.to(device)
