@@ -3,13 +3,13 @@ tasks give one for raw few-shot prompts only."""
 
 import pytest
 import torch
+from support import tiny_spec
 
 import deltalens.generation.hf as hf_mod
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend, SamplingParams
 from deltalens.generation.params import cut_at_stop
 from deltalens.tasks import get_task
-from tests.support import tiny_spec
 
 
 def test_cut_at_stop_takes_the_earliest_stop_string():

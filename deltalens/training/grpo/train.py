@@ -80,6 +80,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend
+from deltalens.generation.params import cut_at_stop
 from deltalens.generation.prompts import problem_prompts, uses_chat
 from deltalens.io.atomic import atomic_dir, atomic_path
 from deltalens.io.models import load_model, weights_checksum
@@ -134,13 +135,19 @@ def build_dataset(task, config: GRPOConfig, first_step: int, last_step: int, cha
 
 class RewardRecorder:
     """Wraps a TRL-style reward function and keeps the rewards of the current step (TRL logs only their
-    mean and std; the metrics rows also want min/max and the fraction correct)."""
+    mean and std; the metrics rows also want min/max and the fraction correct). `stop`: the task's stop
+    strings (raw few-shot prompts, `Task.stop_strings`): each text completion is scored cut before the
+    first of them, as evaluation and ES generate it. TRL's rollouts themselves are not cut (its `generate`
+    gets no tokenizer, which transformers' `stop_strings` needs), so the tokens a base model writes past
+    the stop string still share the completion's advantage and KL term."""
 
-    def __init__(self, fn: Callable[..., list[float]]):
+    def __init__(self, fn: Callable[..., list[float]], stop: tuple[str, ...] = ()):
         self.fn, self.rewards = fn, []
 
-        def reward(*args, **kwargs):
-            out = fn(*args, **kwargs)
+        def reward(*args, completions=None, **kwargs):
+            if stop and completions is not None:
+                completions = [cut_at_stop(c, stop)[0] if isinstance(c, str) else c for c in completions]
+            out = fn(*args, completions=completions, **kwargs)
             self.rewards.extend(float(r) for r in out if r is not None)
             return out
 
@@ -480,7 +487,8 @@ def _train(run: RunDir, config: GRPOConfig, task, loaded, main: bool, resume: bo
         args = trl_args(config, out_trl)
     args.max_completion_length = max_new
     args.max_steps = config.steps - start
-    recorder = RewardRecorder(task.reward_fn())
+    chat = uses_chat(tok, config.chat_template)
+    recorder = RewardRecorder(task.reward_fn(), stop=task.stop_strings(chat))
     # only rank 0 tracks (as only rank 0 writes the run directory)
     with Tracker(run.path, config.report_to if main else "none", start=start, config=run_config(config)) as tracker:
         callback = _run_callback_class()(run, config, task, tok, start, recorder, progress, resume_state, tracker)
@@ -490,7 +498,7 @@ def _train(run: RunDir, config: GRPOConfig, task, loaded, main: bool, resume: bo
             row = {"iteration": 0, "units": 0, "eval": _held_out(model, tok, task, config)}
             run.log(row)
             tracker.log_row(row)
-        dataset = build_dataset(task, config, start + 1, config.steps, chat=uses_chat(tok, config.chat_template))
+        dataset = build_dataset(task, config, start + 1, config.steps, chat=chat)
 
         from transformers import PrinterCallback, ProgressCallback
 

@@ -313,3 +313,20 @@ def test_step_seed_differs_per_step_and_run():
     assert len(seeds) == 3 * 199
     assert all(0 <= x < 2**32 for x in seeds)
     assert step_seed(0, 1) == step_seed(0, 1)
+
+
+def test_reward_recorder_scores_completions_cut_at_the_stop_string():
+    """A base model's rollout on a raw few-shot prompt runs on into an invented example; its reward is
+    that of the completion cut where evaluation and ES cut it."""
+    from deltalens.tasks import get_task
+    from deltalens.training.grpo.train import RewardRecorder
+
+    task = get_task("add:digits=1-2,terms=2,shots=2")
+    stop = task.stop_strings(chat=False)
+    assert stop == ("\n\nQ:",)
+    # no marker: the lenient reader takes the last number, which the invented example would supply
+    rollouts = [" 3 + 4 = 7\n\nQ: What is 1 + 1?\nA: 1 + 1 = 2", " 3 + 4 = 8.\n#### 8\n\nQ: What is 7?\nA: #### 7"]
+    plain, cut = RewardRecorder(task.reward_fn()), RewardRecorder(task.reward_fn(), stop=stop)
+    assert plain.reward(prompts=["p", "p"], completions=rollouts, answer=["7", "7"]) == [0.0, 0.1]
+    assert cut.reward(prompts=["p", "p"], completions=rollouts, answer=["7", "7"]) == [1.0, 0.1]
+    assert cut.take() == [1.0, 0.1]
