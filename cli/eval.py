@@ -93,7 +93,7 @@ def run_eval(models: list[str], cfg: EvalConfig) -> None:
                                  on_samples=None if slog is None else slog.add, compute_dtype=compute_dtype)
     first = next(iter(result["evals"].values()))
     where = f"the prompts {trained_on} trained on" if trained_on is not None else split
-    table = Table(title=f"{t.name} ({where}): {first['n_problems']} problems x {samples} samples, T={temperature}"
+    table = Table(title=f"{t.spec} ({where}): {first['n_problems']} problems x {samples} samples, T={temperature}"
                         f"{', chat template' if first.get('chat_template') else ''}")
     table.add_column("model")
     ks = list(first["pass_at_k"])

@@ -65,7 +65,7 @@ def run_probe(model: str, cfg: ProbeConfig) -> None:
                     log=lambda s: c.console.print(f"[dim]{c.escape(s)}[/]"), progress_factory=factory,
                     compute_dtype=cfg.compute_dtype)
     shown_t = ", ".join(f"{x:g}" for x in temps)
-    table = Table(title=f"{model} on {t.name} ({split}, {res['n_problems']} problems x {samples} samples, "
+    table = Table(title=f"{model} on {t.spec} ({split}, {res['n_problems']} problems x {samples} samples, "
                         f"T={shown_t}{', chat template' if res['chat_template'] else ''})")
     table.add_column("measure")
     table.add_column("value", justify="right")

@@ -6,9 +6,15 @@
     qwen2.5-0.5b
               task QWEN05_TASK, chosen on validation problems only (docs/tuning.md: "Qwen2.5-Coder-0.5B-Instruct
               and Gemma-3-270M"); presets `qwen2.5` (ES chosen on validation; GRPO's not checked yet:
-              docs/tuning.md "ES on Qwen2.5-Coder-0.5B"). gemma3-270m has none yet: its
-              best candidate is at the rule's edge (greedy 0.13-0.16) and loads worse under the vLLM
-              venv's transformers 5.19 (same docs section)
+              docs/tuning.md "ES on Qwen2.5-Coder-0.5B").
+    qwen2.5-1.5b
+              task QWEN15_TASK, chosen on validation problems only (docs/tuning.md: "Qwen2.5-Coder-1.5B-Instruct:
+              a default task"); presets `qwen2.5` (the 0.5B's, by weight scale: matrix median |w| ~0.011 in both;
+              not tuned on the 1.5B)
+    gemma3-270m
+              task GEMMA3_TASK, chosen on validation problems only (docs/tuning.md: "Gemma-3-270M: a default
+              task with stop strings"): the best of those screened, below the rule's sampled Pass@1 band
+              (0.125 at T = 0.6) with greedy 0.21 inside it; presets `paper` (none of its own)
     a deltalens run directory (or a checkpoint inside one): the task it was trained on (its config.json)
     anything else: no default task (`arith` is used), presets `paper` (the paper's settings)
 
@@ -26,10 +32,18 @@ SMOLLM2_TASK = "add:digits=1-2,terms=2,shots=2"  # base Pass@1 ~0.35, Pass@16 ~0
 # Qwen2.5-Coder-0.5B-Instruct: greedy 0.54, sampled Pass@1 0.41, Pass@16 0.96 (24 validation problems, T=0.6);
 # SmolLM2's 1-2 digit pairs are too easy for it (greedy 0.92)
 QWEN05_TASK = "add:digits=1-2,terms=3,shots=2"
+# Qwen2.5-Coder-1.5B-Instruct: greedy 0.33, sampled Pass@1 0.22, Pass@16 0.63 (24 validation problems, T=0.6); the
+# 0.5B's task is too easy for it (greedy 0.83); addition only, as the 0.5B's and SmolLM2's, one term more
+QWEN15_TASK = "add:digits=2,terms=4,shots=2"
+# Gemma-3-270M (base, plain 8-shot prompts cut at the next example): greedy 0.21, sampled Pass@1 0.125,
+# Pass@16 0.60 (100 validation problems, T=0.6); no candidate screened reached sampled Pass@1 0.15
+GEMMA3_TASK = "add:digits=1,terms=3,shots=8,test=250,validation=250"
 MODELS = {
     "tiny": {"task": "arith", "preset": "tiny"},
     "smollm2": {"task": SMOLLM2_TASK, "preset": "smollm2"},
     "qwen2.5-0.5b": {"task": QWEN05_TASK, "preset": "qwen2.5"},
+    "qwen2.5-1.5b": {"task": QWEN15_TASK, "preset": "qwen2.5"},
+    "gemma3-270m": {"task": GEMMA3_TASK},
 }
 FALLBACK_TASK = "arith"
 

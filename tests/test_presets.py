@@ -29,10 +29,14 @@ def test_named_models_get_the_tasks_chosen_for_them():
     # chosen on validation (docs/tuning.md): Qwen2.5-0.5B solves 1-2 digit pairs (greedy 0.92), so it gets 3 terms
     assert presets.default_task("qwen2.5-0.5b") == "add:digits=1-2,terms=3,shots=2"
     assert get_task(presets.default_task("qwen2.5-0.5b")).terms == 3
-    # not chosen yet: Gemma's best candidate is at the rule's edge (docs/tuning.md); the 1.5B was not screened
-    for name in ("gemma3-270m", "qwen2.5-1.5b"):
-        assert presets.default_task(name) == presets.FALLBACK_TASK
-    assert presets.auto_preset("qwen2.5-1.5b") == "paper"
+    # Gemma (a base model) gets plain 8-shot prompts of 1-digit triples, cut before the next example
+    gemma = get_task(presets.default_task("gemma3-270m"))
+    assert (gemma.digits, gemma.terms, gemma.shots) == ((1, 1), 3, 8)
+    assert gemma.stop_strings(chat=False) == ("\n\nQ:",)
+    assert presets.auto_preset("gemma3-270m") == "paper"
+    # the 1.5B solves the 0.5B's task (greedy 0.83): a fourth term of 2 digits brings it into the band
+    assert presets.default_task("qwen2.5-1.5b") == "add:digits=2,terms=4,shots=2"
+    assert presets.auto_preset("qwen2.5-1.5b") == "qwen2.5"
     # ES's qwen2.5 preset is smollm2's scaled to Qwen's ~13x smaller weights (docs/tuning.md)
     assert presets.auto_preset("qwen2.5-0.5b") == "qwen2.5"
     qwen, smol = ESConfig.PRESETS["qwen2.5"], ESConfig.PRESETS["smollm2"]

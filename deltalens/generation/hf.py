@@ -15,8 +15,9 @@ segments; the text is cut before it). Per batch (`_generate_batch`):
    (`deltalens.training.es.population`).
 2. Finished rows leave the batch: `generate` runs SEGMENT new tokens per call, continuing from the
    returned KV cache (the same arithmetic as one call), and between calls the rows that reached EOS
-   (or wrote a stop string) leave the batch and the cache. transformers itself computes every row until the batch's longest
-   ends: on SmolLM2 at T=1 most rows end within 20 tokens while one may run to the limit.
+   (or wrote a stop string) leave the batch and the cache. transformers itself computes every row until
+   the batch's longest ends: on SmolLM2 at T=1 most rows end within 20 tokens while one may run to the
+   limit; on Gemma-3-270M's plain few-shot prompts every row ran to the limit before the stop string.
 
 Greedy completions do not depend on the budget (rows are computed alike whatever the batch; checked on
 tiny for budgets from one sequence to all, tests/generation/test_token_budget.py). SDPA attention is what

@@ -45,6 +45,18 @@ def test_greedy_completions_identical(backends):
     assert not differ, f"{len(differ)} of {N_PROBLEMS} differ, first: {want[differ[0]]} vs {got[differ[0]]}"
 
 
+def test_stop_strings_cut_as_hf_cuts(backends):
+    """With a stop string, vLLM's greedy completions are HF's: the text before its first occurrence."""
+    from deltalens.generation import SamplingParams
+
+    hf, vllm, task = backends
+    prompts = [p.prompt for p in task.test(20)]
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=task.max_new_tokens, stop=(". ",))
+    want = hf.generate(prompts, greedy)
+    assert all(". " not in c[0] and "#### " not in c[0] for c in want)  # tiny writes "a+b=c. c-d=e. ..."
+    assert vllm.generate(prompts, greedy) == want
+
+
 def test_pass_at_1_agrees(backends):
     """Pass@1 of 100 problems x 16 samples at T=0.6 (`deltalens.evaluation.evaluate`, as `deltalens eval`
     runs it) agrees between the backends within 3 standard errors of the paired per-problem difference
