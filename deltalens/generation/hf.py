@@ -53,7 +53,7 @@ from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, token_budget
 from deltalens.generation.dtype import compute_copy, resolve_compute_dtype, sync_copy
 from deltalens.generation.kv_cache import cache_name, new_cache, release_freed_memory
-from deltalens.generation.params import SamplingParams, cut_at_stop
+from deltalens.generation.params import SamplingParams, cut_at_stop, decode_completion
 from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
 from deltalens.generation.sampling import sampling_kwargs
 
@@ -145,7 +145,7 @@ class HFBackend:
                 rows = self._generate_batch(runner, [i for i, _ in chunk], enc, params)
                 release_freed_memory()  # the batch's cache and logits, back to the OS (`kv_cache`)
                 for (i, j), row in zip(chunk, rows):
-                    out[i][j] = cut_at_stop(self.tok.decode(row, skip_special_tokens=True), params.stop)[0]
+                    out[i][j] = decode_completion(self.tok, row, params.stop)
                 if progress is not None:
                     progress(len(chunk))
         finally:

@@ -10,7 +10,7 @@ stop string are computed and thrown away), vLLM as it decodes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,6 +45,15 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
     """(text before the earliest stop string, whether one occurred)."""
     at = min((i for i in (text.find(t) for t in stop) if i >= 0), default=-1)
     return (text, False) if at < 0 else (text[:at], True)
+
+
+def decode_completion(tok, ids: Sequence[int], stop: tuple[str, ...] = ()) -> str:
+    """A completion's text from its new token ids, as every backend returns it: cut at the first EOS,
+    decoded without special tokens, cut before the first stop string."""
+    row, eos = list(ids), tok.eos_token_id
+    if eos is not None and eos in row:
+        row = row[: row.index(eos)]
+    return cut_at_stop(tok.decode(row, skip_special_tokens=True), stop)[0]
 
 
 class GenerationBackend(Protocol):

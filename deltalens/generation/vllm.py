@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from deltalens.errors import DeltalensError
-from deltalens.generation.params import SamplingParams, cut_at_stop
+from deltalens.generation.params import SamplingParams, decode_completion
 from deltalens.generation.prompts import encode_prompts, format_prompt, uses_chat
 from deltalens.generation.vllm_weights import LOAD_RPC, WEIGHTS_EXTENSION
 
@@ -202,11 +202,7 @@ class VLLMBackend:
         return vllm.SamplingParams(**kw)
 
     def decode(self, token_ids: Sequence[int], stop: tuple[str, ...] = ()) -> str:
-        row = list(token_ids)
-        eos = self.tok.eos_token_id
-        if eos is not None and eos in row:
-            row = row[: row.index(eos)]
-        return cut_at_stop(self.tok.decode(row, skip_special_tokens=True), stop)[0]
+        return decode_completion(self.tok, token_ids, stop)
 
     def generate(self, prompts: list[str], params: SamplingParams,
                  progress: Callable[[int], None] | None = None) -> list[list[str]]:

@@ -81,7 +81,7 @@ from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches
 from deltalens.generation.hf import ended_rows
 from deltalens.generation.kv_cache import cache_name, new_cache, release_freed_memory
-from deltalens.generation.params import cut_at_stop
+from deltalens.generation.params import decode_completion
 from deltalens.generation.prompts import problem_prompts
 from deltalens.generation.sampling import sampling_kwargs
 from deltalens.training.es.noise import block_in
@@ -371,9 +371,7 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
                 for k, g in enumerate(live):
                     if k not in keep:
                         for r, i in enumerate(chunk):
-                            row = gen[k * len(chunk) + r].tolist()
-                            text = tok.decode(row[:row.index(eos)] if eos in row else row, skip_special_tokens=True)
-                            out[g][i] = cut_at_stop(text, params.stop)[0]
+                            out[g][i] = decode_completion(tok, gen[k * len(chunk) + r].tolist(), params.stop)
                 if keep and len(keep) < len(live):
                     rows = torch.cat([torch.arange(k * len(chunk), (k + 1) * len(chunk)) for k in keep])
                     rows = rows.to(device)
