@@ -127,14 +127,21 @@ class HFBackend:
     def encode(self, prompts: list[Prompt]) -> list[list[int]]:
         return encode_prompts(self.tok, prompts, self.chat)
 
-    @torch.no_grad()
     def generate(self, prompts: list[Prompt], params: SamplingParams,
                  progress: Callable[[int], None] | None = None) -> list[list[str]]:
         """Returns out[i][j]: completion j of prompt i. `progress(k)` is called after each k sequences."""
+        return [[decode_completion(self.tok, row, params.stop) for row in rows]
+                for rows in self.generate_ids(self.encode(prompts), params, progress)]
+
+    @torch.no_grad()
+    def generate_ids(self, enc: list[list[int]], params: SamplingParams,
+                     progress: Callable[[int], None] | None = None) -> list[list[list[int]]]:
+        """out[i][j]: the new token ids of completion j of the already encoded prompt enc[i], through the
+        first EOS when it has one (GRPO's rollouts keep it; `decode_completion` cuts it), and for rows
+        stopped at a stop string up to SEGMENT - 1 tokens past it (`params.cut_ids_at_stop` trims them)."""
         from transformers.utils import logging as hf_logging
 
-        enc = self.encode(prompts)
-        out: list[list[str]] = [[""] * params.n for _ in prompts]
+        out: list[list[list[int]]] = [[[] for _ in range(params.n)] for _ in enc]
         runner = self.runner()
         batches = length_batches([len(e) for e in enc], params.n, params.max_new_tokens, self.batch_tokens,
                                  self.max_batch)
@@ -145,7 +152,7 @@ class HFBackend:
                 rows = self._generate_batch(runner, [i for i, _ in chunk], enc, params)
                 release_freed_memory()  # the batch's cache and logits, back to the OS (`kv_cache`)
                 for (i, j), row in zip(chunk, rows):
-                    out[i][j] = decode_completion(self.tok, row, params.stop)
+                    out[i][j] = row
                 if progress is not None:
                     progress(len(chunk))
         finally:
@@ -153,8 +160,8 @@ class HFBackend:
         return out
 
     def _generate_batch(self, runner, owners: list[int], enc: list[list[int]], params: SamplingParams):
-        """The new token ids (cut before EOS) of each row of one batch; row r continues prompt owners[r]
-        (a prompt's rows are consecutive)."""
+        """The new token ids (through the first EOS) of each row of one batch; row r continues prompt
+        owners[r] (a prompt's rows are consecutive)."""
         from transformers.utils import logging as hf_logging
 
         device = next(self.model.parameters()).device
@@ -197,7 +204,7 @@ class HFBackend:
             done = torch.ones_like(ended) if produced >= params.max_new_tokens or new < step else ended
             for r in done.nonzero().flatten().tolist():
                 row = gen[r].tolist()
-                rows[live[r]] = row[: row.index(eos)] if eos in row else row
+                rows[live[r]] = row[: row.index(eos) + 1] if eos in row else row
             if bool(done.all()):
                 return rows
             if bool(done.any()):

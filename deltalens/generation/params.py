@@ -56,6 +56,25 @@ def decode_completion(tok, ids: Sequence[int], stop: tuple[str, ...] = ()) -> st
     return cut_at_stop(tok.decode(row, skip_special_tokens=True), stop)[0]
 
 
+def cut_ids_at_stop(tok, ids: Sequence[int], stop: tuple[str, ...] = ()) -> list[int]:
+    """A completion's new token ids as a trainer scores and back-props them: through the first EOS (kept:
+    the policy learns to stop), else through the token that completes the first stop string (kept for the
+    same reason; its text is cut before the stop string, `decode_completion`), else all of them."""
+    row, eos = list(ids), tok.eos_token_id
+    if eos is not None and eos in row:
+        row = row[: row.index(eos) + 1]
+    if not stop or not cut_at_stop(tok.decode(row, skip_special_tokens=True), stop)[1]:
+        return row
+    lo, hi = 1, len(row)  # the shortest prefix whose text holds a stop string (holding one is monotone)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut_at_stop(tok.decode(row[:mid], skip_special_tokens=True), stop)[1]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return row[:lo]
+
+
 class GenerationBackend(Protocol):
     """`generate(prompts, params) -> out[i][j]`: completion j (of params.n) of prompt i, prompt excluded.
     `progress(k)` is called after every k finished sequences."""

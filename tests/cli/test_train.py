@@ -81,6 +81,7 @@ GRPO_TABLE = {
     "weight_decay": (["--weight-decay", "0.01"], 0.01),
     "dtype": (["--dtype", "bf16"], "bf16"),
     "autocast": (["--autocast", "bf16"], "bf16"),
+    "compute_dtype": (["--compute-dtype", "bf16"], "bf16"),
     "gradient_checkpointing": (["--gradient-checkpointing"], True),
     "chat_template": (["--chat-template", "on"], "on"),
     "steps": (["--steps", "9"], 9),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from deltalens.config import Config, check, finite, option
+from deltalens.generation.dtype import COMPUTE_DTYPES
 from deltalens.generation.prompts import check_mode
 from deltalens.training.budget import parse_budget, steps_for_budget
 from deltalens.training.tracking import HELP as REPORT_TO_HELP
@@ -77,6 +78,11 @@ class GRPOConfig(Config):
                         "fp16 autocast, GPU)", trajectory=True)
     autocast: str | None = option(None, "mixed precision override: none, bf16 or fp16 (default: implied by "
                                   "dtype)", trajectory=True)
+    compute_dtype: str = option("auto", "dtype the training completions are sampled in: fp32 (TRL's own generate on "
+                                "the policy), bf16 (deltalens's HF backend on a bf16 copy of the fp32 policy, "
+                                "refreshed every step; the loss, gradients and update stay fp32), auto (bf16 where bf16 "
+                                "matmuls are fast, a CPU with AMX-BF16 or AVX512-BF16 or a bf16 GPU, for hidden size "
+                                ">= 512; else fp32)", trajectory=True)
     gradient_checkpointing: bool = option(False, "recompute activations in backward (saves memory; TRL "
                                           "default: on)")
     chat_template: str | bool = option("auto", "prompts through the tokenizer's chat template: auto (when it has "
@@ -159,6 +165,13 @@ class GRPOConfig(Config):
             (self.eval_every >= 0, f"eval_every must be >= 0 (got {self.eval_every}); 0 disables evaluation"),
             (self.eval_limit >= 1, f"eval_limit must be >= 1 (got {self.eval_limit}); set --eval-limit"),
             (self.save_every >= 0, f"save_every must be >= 0 (got {self.save_every}); 0 saves only the final weights"),
+            (self.compute_dtype in COMPUTE_DTYPES,
+             f"compute_dtype must be auto, fp32 or bf16 (got {self.compute_dtype!r}); set --compute-dtype"),
+            (self.compute_dtype != "bf16" or self.dtype == "fp32",
+             (f"--compute-dtype bf16 with --dtype {self.dtype}: the bf16 rollout copy is of fp32 weights; weights "
+              f"loaded in {self.dtype} generate as they are (use --compute-dtype auto)")),
+            (self.compute_dtype != "bf16" or not self.use_vllm,
+             "--compute-dtype bf16 with --use-vllm: vLLM generates in its own dtype; use --compute-dtype auto"),
             (self.device in ("cpu", "cuda"), f"device must be cpu or cuda (got {self.device!r})"),
             (not self.use_vllm or self.device == "cuda", "use_vllm needs --device cuda (vLLM does not run on CPU)"),
             (self.vllm_mode in ("colocate", "server"), f"vllm_mode must be colocate or server (got {self.vllm_mode!r})"),

@@ -56,6 +56,23 @@ bf16 resolution are lost, so prefer `dtype=fp32, autocast=bf16` at lr 1e-6); fp1
 fp16 autocast with loss scaling (Trainer cannot step fp16 weights; GPU only; checkpoints are fp32).
 `autocast` overrides the mixed-precision part.
 
+Rollout dtype (`compute_dtype`, apart from all of the above). With fp32 weights and `compute_dtype` bf16
+(or auto where bf16 matmuls are fast, for hidden size >= 512: SmolLM2, Qwen2.5, Gemma-3 on an AMX CPU;
+`tiny` stays fp32) the P·G training completions of a step are sampled by deltalens's HF backend on a bf16
+copy of the policy (`deltalens.generation.dtype`: norm weights and Linear biases kept fp32), refreshed
+from the fp32 policy at the start of every step, instead of by TRL's `generate` on the fp32 policy
+(`DeltalensGRPOTrainer._generate_single_turn`, `sample_rollouts`). Everything after the sampling (the
+log-probabilities, the KL reference, the loss, gradients, AdamW) stays fp32 and is TRL's. The rollouts are
+then slightly off-policy, as vLLM rollouts are in TRL: with μ = 1 TRL takes the "old" log-probabilities
+from the fp32 policy itself (ratio 1), so the difference between the bf16 sampler and the fp32 policy is
+not corrected for (TRL's `vllm_importance_sampling_correction` is a vLLM-only option). The sampling is
+deltalens's (prompt prefilled once per group, inverse-CDF draw, seeded from (seed, step)), not TRL's, so an
+fp32 and a bf16 run of one seed draw different completions from the first step; the held-out greedy
+evaluation runs in the same dtype. Raw few-shot prompts' stop strings end these rollouts
+(`cut_ids_at_stop`: through the token completing the stop string). auto is resolved when the run starts
+and kept in state.json and every metrics row (`compute_dtype`); a resume samples as the run began (runs
+from before the option: fp32).
+
 GPU path (not exercised in the CPU tests): `device="cuda"` lets Trainer place the model on the GPU;
 `use_vllm=True` generates with vLLM (`vllm_mode="colocate"` shares the training GPUs, "server" talks to
 `trl vllm-serve`); several GPUs: `accelerate launch [--config_file deepspeed_zero2.yaml] -m
@@ -80,10 +97,11 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend
-from deltalens.generation.params import cut_at_stop
+from deltalens.generation.dtype import resolve_compute_dtype
+from deltalens.generation.params import SamplingParams, cut_at_stop, cut_ids_at_stop
 from deltalens.generation.prompts import problem_prompts, uses_chat
 from deltalens.io.atomic import atomic_dir, atomic_path
-from deltalens.io.models import load_model, weights_checksum
+from deltalens.io.models import dtype_name, load_model, weights_checksum
 from deltalens.io.quiet import quiet_transformers
 from deltalens.io.runs import RunDir, checkpoint_name
 from deltalens.io.spec import resolve
@@ -137,9 +155,10 @@ class RewardRecorder:
     """Wraps a TRL-style reward function and keeps the rewards of the current step (TRL logs only their
     mean and std; the metrics rows also want min/max and the fraction correct). `stop`: the task's stop
     strings (raw few-shot prompts, `Task.stop_strings`): each text completion is scored cut before the
-    first of them, as evaluation and ES generate it. TRL's rollouts themselves are not cut (its `generate`
-    gets no tokenizer, which transformers' `stop_strings` needs), so the tokens a base model writes past
-    the stop string still share the completion's advantage and KL term."""
+    first of them, as evaluation and ES generate it. Rollouts sampled in bf16 (`sample_rollouts`) already
+    end at the stop string; TRL's own fp32 `generate` gets no tokenizer, which transformers' `stop_strings`
+    needs, so there the tokens a base model writes past the stop string still share the completion's
+    advantage and KL term (only its reward is computed on the cut text)."""
 
     def __init__(self, fn: Callable[..., list[float]], stop: tuple[str, ...] = ()):
         self.fn, self.rewards = fn, []
@@ -233,16 +252,52 @@ def _checkpointing_arg(on: bool) -> dict:
     return {"activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing": on}
 
 
+def grpo_compute_dtype(config: GRPOConfig, model: torch.nn.Module, pinned: str | None = None) -> str:
+    """The dtype the training completions are sampled in ("fp32", "bf16", ...): weights loaded in bf16/fp16
+    and vLLM rollouts generate as they are (the weights' dtype); fp32 weights in `config.compute_dtype`,
+    auto = bf16 where bf16 matmuls are fast on `config.device` for hidden size >= 512
+    (`deltalens.generation.dtype`). `pinned`: what the run resolved when it started (a resume), so auto
+    cannot change mid-run; runs from before the option read "fp32"."""
+    param = next(model.parameters())
+    if param.dtype != torch.float32 or config.use_vllm:
+        return dtype_name(param.dtype)
+    if pinned is not None:
+        return pinned
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    return dtype_name(resolve_compute_dtype(config.compute_dtype, config.device, param.dtype, hidden))
+
+
+def sample_rollouts(backend: HFBackend, prompt_ids: list[list[int]], group: int, params: SamplingParams) -> list[list[int]]:
+    """The completions (new token ids) of TRL's rows `prompt_ids`, one per row, from a deltalens HF backend.
+
+    TRL's sampler lays a step's rows out as each prompt `group` times in a row; such a batch is generated
+    as its distinct prompts with n = group (each prompt prefilled once), anything else row by row with
+    n = 1. Each completion runs through its first EOS (kept, as TRL's own generate keeps it, so the policy
+    learns to stop) or through the token that completes a stop string (`params.stop`,
+    `cut_ids_at_stop`), else to `params.max_new_tokens`."""
+    grouped = group >= 1 and len(prompt_ids) % group == 0 and all(
+        prompt_ids[i] == prompt_ids[i - i % group] for i in range(len(prompt_ids)))
+    if grouped:
+        out = backend.generate_ids([list(p) for p in prompt_ids[::group]], dataclasses.replace(params, n=group))
+    else:
+        out = backend.generate_ids([list(p) for p in prompt_ids], dataclasses.replace(params, n=1))
+    return [cut_ids_at_stop(backend.tok, ids, params.stop) for rows in out for ids in rows]
+
+
 def _trainer_class():
     from trl import GRPOTrainer
 
     class DeltalensGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer with two hooks: the LR schedule spans the whole run (also when resuming with fewer
-        steps left), and sampling is reseeded from (seed, step) before every generation."""
+        """GRPOTrainer with three hooks: the LR schedule spans the whole run (also when resuming with fewer
+        steps left), sampling is reseeded from (seed, step) before every generation, and with a bf16
+        compute dtype (`rollouts` set) the training completions come from deltalens's HF backend on a bf16
+        copy of the policy (`sample_rollouts`) instead of TRL's `generate` on the fp32 policy."""
 
         step_offset = 0  # steps done before this trainer started (resume)
         total_steps = 0
         run_seed = 0
+        rollouts: HFBackend | None = None  # bf16 rollouts: the backend (its master is the policy)
+        rollout_params: SamplingParams | None = None
 
         def create_scheduler(self, num_training_steps, optimizer=None):
             return super().create_scheduler(self.total_steps or num_training_steps, optimizer)
@@ -251,6 +306,22 @@ def _trainer_class():
             if self.model.training:
                 torch.manual_seed(step_seed(self.run_seed, self.step_offset + self.state.global_step + 1))
             return super()._generate_and_score_completions(inputs)
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                                  has_tool_images=False):
+            if self.rollouts is None or self.use_vllm or images is not None or multimodal_fields:
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
+            step = self.step_offset + self.state.global_step + 1
+            policy = self.rollouts.model
+            was_training = policy.training
+            policy.eval()  # the copy is made (and kept) in eval mode: no dropout in the rollouts
+            try:  # the bf16 copy is refreshed from the fp32 policy at the start of every call
+                ids = sample_rollouts(self.rollouts, prompt_ids, num_generations,
+                                      dataclasses.replace(self.rollout_params, seed=step_seed(self.run_seed, step)))
+            finally:
+                policy.train(was_training)
+            return ids, None  # no sampling logprobs: with μ = 1 TRL takes the old logprobs from the fp32 policy
 
     return DeltalensGRPOTrainer
 
@@ -279,11 +350,13 @@ def load_trainer_state(path: Path) -> dict:
                              f"{str(e).splitlines()[0][:160]}); it is corrupt: restore it or start a new run") from e
 
 
-def _held_out(model, tok, task, config: GRPOConfig) -> dict:
-    """Greedy Pass@1 on the first `eval_limit` validation problems (the same measure ES logs)."""
+def _held_out(model, tok, task, config: GRPOConfig, compute_dtype: str = "fp32") -> dict:
+    """Greedy Pass@1 on the first `eval_limit` validation problems (the same measure ES logs), generated
+    in the run's compute dtype (as ES's members and its held-out evaluation are)."""
     return held_out_pass_at_1(model, tok, task, limit=config.eval_limit,
                               max_new_tokens=config.max_new_tokens or task.max_new_tokens,
-                              backend=HFBackend(model, tok, chat_template=config.chat_template))
+                              backend=HFBackend(model, tok, chat_template=config.chat_template,
+                                                compute_dtype="bf16" if compute_dtype == "bf16" else "fp32"))
 
 
 def _num(v):
@@ -329,8 +402,10 @@ def _run_callback_class():
     class RunCallback(TrainerCallback):
         """Turns TRL's per-step logs into metrics rows, evaluations, checkpoints and progress calls."""
 
-        def __init__(self, run, config, task, tok, start, recorder, progress, resume_state, tracker):
+        def __init__(self, run, config, task, tok, start, recorder, progress, resume_state, tracker,
+                     compute_dtype="fp32"):
             self.run, self.config, self.task, self.tok, self.tracker = run, config, task, tok, tracker
+            self.compute_dtype = compute_dtype
             self.start, self.recorder, self.progress = start, recorder, progress
             self.resume_state = resume_state
             self.trainer = None
@@ -354,11 +429,12 @@ def _run_callback_class():
             cfg = self.config
             rewards = self.recorder.take()
             row = metrics_row(step, logs, rewards, cfg, time.perf_counter() - self.t_last)
+            row["compute_dtype"] = self.compute_dtype
             if not state.is_world_process_zero:
                 return
             m = self._model(model)
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                row["eval"] = _held_out(m, self.tok, self.task, cfg)
+                row["eval"] = _held_out(m, self.tok, self.task, cfg, self.compute_dtype)
             self.run.log(row)
             self.tracker.log_row(row, rewards=rewards)
             name = "final" if step == cfg.steps else (
@@ -366,7 +442,8 @@ def _run_callback_class():
             if name is not None:  # the checksum lets a resume verify the weights it continues from
                 save_trainer_state(_trainer_state_path(self.run, name), optimizer, lr_scheduler, step)
                 _save_weights(self.run, m, self.tok, name, {"method": "grpo", "iteration": step, "seed": cfg.seed,
-                                                            "checksum": weights_checksum(m)}, cfg.save_pt)
+                                                            "checksum": weights_checksum(m),
+                                                            "compute_dtype": self.compute_dtype}, cfg.save_pt)
             if self.progress:
                 self.progress(step, cfg.steps, row)
             self.t_last = time.perf_counter()
@@ -480,6 +557,8 @@ def _train(run: RunDir, config: GRPOConfig, task, loaded, main: bool, resume: bo
     if ref_dir is not None:
         model.config._name_or_path = ref_dir  # TRL builds the reference with from_pretrained(this)
     max_new = config.max_new_tokens or task.max_new_tokens
+    # resolved once, when the run starts, and kept in state.json: a resume samples as the run began
+    compute_dtype = grpo_compute_dtype(config, model, (state.get("compute_dtype") or "fp32") if start > 0 else None)
 
     out_trl = run.path / ".trl"
     with warnings.catch_warnings():
@@ -491,11 +570,13 @@ def _train(run: RunDir, config: GRPOConfig, task, loaded, main: bool, resume: bo
     recorder = RewardRecorder(task.reward_fn(), stop=task.stop_strings(chat))
     # only rank 0 tracks (as only rank 0 writes the run directory)
     with Tracker(run.path, config.report_to if main else "none", start=start, config=run_config(config)) as tracker:
-        callback = _run_callback_class()(run, config, task, tok, start, recorder, progress, resume_state, tracker)
+        callback = _run_callback_class()(run, config, task, tok, start, recorder, progress, resume_state, tracker,
+                                         compute_dtype)
 
         model.train()
         if start == 0 and config.eval_every and main:
-            row = {"iteration": 0, "units": 0, "eval": _held_out(model, tok, task, config)}
+            row = {"iteration": 0, "units": 0, "compute_dtype": compute_dtype,
+                   "eval": _held_out(model, tok, task, config, compute_dtype)}
             run.log(row)
             tracker.log_row(row)
         dataset = build_dataset(task, config, start + 1, config.steps, chat=chat)
@@ -509,6 +590,11 @@ def _train(run: RunDir, config: GRPOConfig, task, loaded, main: bool, resume: bo
                 trainer = _trainer_class()(model=model, reward_funcs=recorder.reward, args=args,
                                            train_dataset=dataset, processing_class=tok, callbacks=[callback])
             trainer.step_offset, trainer.total_steps, trainer.run_seed = start, config.steps, config.seed
+            if compute_dtype == "bf16" and next(model.parameters()).dtype == torch.float32:
+                # rollouts on a bf16 copy of the policy (made on the first step, on the policy's device)
+                trainer.rollouts = HFBackend(model, tok, chat_template=config.chat_template, compute_dtype="bf16")
+                trainer.rollout_params = SamplingParams(temperature=config.temperature, top_p=config.top_p,
+                                                        max_new_tokens=max_new, stop=task.stop_strings(chat))
             for cb in (PrinterCallback, ProgressCallback):
                 trainer.remove_callback(cb)
             callback.trainer = trainer

@@ -157,7 +157,7 @@ def test_grpo_steps_change_weights_and_write_the_run_format(tmp_path):
     assert not (ck / "iter-000001").exists()
     st = json.loads((out / "state.json").read_text())
     checksum = st.pop("checksum")  # of the final weights (a resume verifies it)
-    assert st == {"method": "grpo", "iteration": 3, "seed": 0, "checkpoint": "final"}
+    assert st == {"method": "grpo", "iteration": 3, "seed": 0, "checkpoint": "final", "compute_dtype": "fp32"}
     opt = load_trainer_state(ck / "final.trainer.pt")  # weights_only load of the optimizer state
     assert opt["step"] == 3 and opt["optimizer"]["state"] and opt["scheduler"]["last_epoch"] == 3
     assert not (out / ".trl").exists()
