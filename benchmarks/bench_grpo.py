@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int) -> dict:
+def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task: str | None = None) -> dict:
     import deltalens.training.grpo.train as grpo
     from deltalens.training.grpo.config import GRPOConfig
 
@@ -46,7 +46,7 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int) -> d
         return Timed
 
     cfg = GRPOConfig.preset(preset, model=model, steps=steps, eval_every=0, save_every=0, seed=seed,
-                            compute_dtype=compute_dtype)
+                            compute_dtype=compute_dtype, **({"task": task} if task else {}))
     grpo._trainer_class = timed_class
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--compute-dtype", default="fp32,bf16", help="comma-separated, run in this order")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", default=None, help="task spec (default: GRPOConfig's, arith; e.g. SmolLM2's own "
+                    "add:digits=1-2,terms=2,shots=2)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     a = ap.parse_args()
 
@@ -87,12 +89,15 @@ def main() -> None:
 
     from deltalens.generation.dtype import cpu_flags
 
-    results = [run(a.model, a.preset, a.steps, d, a.seed) for d in a.compute_dtype.split(",")]
+    results = [run(a.model, a.preset, a.steps, d, a.seed, a.task) for d in a.compute_dtype.split(",")]
     first = results[0]
     for r in results:
         r["speedup_vs_first"] = {"step": round(first["median_step_s"] / r["median_step_s"], 3),
                                  "rollout": round(first["median_rollout_s"] / r["median_rollout_s"], 3)}
-    doc = {"command": " ".join(sys.argv), "model": a.model, "preset": a.preset, "torch": torch.__version__,
+    from deltalens.training.grpo.config import GRPOConfig
+
+    doc = {"command": " ".join(sys.argv), "model": a.model, "preset": a.preset, "task": a.task or GRPOConfig().task,
+           "torch": torch.__version__,
            "threads": torch.get_num_threads(), "amx_bf16": "amx_bf16" in cpu_flags(), "results": results}
     text = json.dumps(doc, indent=2)
     print(text)
