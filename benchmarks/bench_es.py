@@ -107,8 +107,11 @@ def main(argv=None) -> None:
     ap.add_argument("--compute-dtype", default="fp32",
                     help="comma-separated compute dtypes (auto, fp32, bf16), each run in turn")
     args = ap.parse_args(argv)
+    from deltalens.io.heap import keep_freed_memory
+
+    malloc = "keep" if keep_freed_memory() else "trim"  # as the CLI does (DELTALENS_MALLOC)
     out = {"benchmark": "es_iteration_breakdown", "noise_draws_per_s_unit": "million fp32 normals / s",
-           "results": []}
+           "malloc": malloc, "results": []}
     for spec in args.models.split(","):
         first = None
         for compute in args.compute_dtype.split(","):

@@ -87,6 +87,10 @@ def main() -> None:
 
     import torch
 
+    from deltalens.io.heap import keep_freed_memory
+
+    malloc = "keep" if keep_freed_memory() else "trim"  # as the CLI does (DELTALENS_MALLOC)
+
     from deltalens.generation.dtype import cpu_flags
 
     results = [run(a.model, a.preset, a.steps, d, a.seed, a.task) for d in a.compute_dtype.split(",")]
@@ -96,7 +100,7 @@ def main() -> None:
                                  "rollout": round(first["median_rollout_s"] / r["median_rollout_s"], 3)}
     from deltalens.training.grpo.config import GRPOConfig
 
-    doc = {"command": " ".join(sys.argv), "model": a.model, "preset": a.preset, "task": a.task or GRPOConfig().task,
+    doc = {"command": " ".join(sys.argv), "model": a.model, "preset": a.preset, "task": a.task or GRPOConfig().task, "malloc": malloc,
            "torch": torch.__version__,
            "threads": torch.get_num_threads(), "amx_bf16": "amx_bf16" in cpu_flags(), "results": results}
     text = json.dumps(doc, indent=2)

@@ -9,6 +9,9 @@ import sys
 
 import typer
 
+from deltalens.errors import DeltalensError
+from deltalens.io.heap import keep_freed_memory
+
 from . import common
 from . import models as models_cmds
 from . import train as train_cmds
@@ -62,6 +65,11 @@ app.command("report")(common.guard(report))
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI on `argv` (default: sys.argv[1:]) and exit with its code."""
     args = list(sys.argv[1:] if argv is None else argv)
+    try:  # reuse freed memory instead of faulting it in again (DELTALENS_MALLOC, `deltalens.io.heap`)
+        keep_freed_memory()
+    except DeltalensError as e:
+        common.console.print(f"[bold red]error:[/] {common.escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
     if args and args[0] == "train":
         args = ["train", *train_cmds.rewrite_alias(args[1:])]
     if args[:2] == ["study", "scale"]:  # a subcommand beside `study MODEL`, whose first argument is a model

@@ -52,10 +52,11 @@ import torch
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, token_budget
 from deltalens.generation.dtype import compute_copy, resolve_compute_dtype, sync_copy
-from deltalens.generation.kv_cache import cache_name, new_cache, release_freed_memory
+from deltalens.generation.kv_cache import cache_name, new_cache
 from deltalens.generation.params import SamplingParams, cut_at_stop, decode_completion
 from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
 from deltalens.generation.sampling import sampling_kwargs
+from deltalens.io.heap import release_freed_memory
 
 SEGMENT = 16  # new tokens per `generate` call between removals of finished rows
 

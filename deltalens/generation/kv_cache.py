@@ -23,32 +23,16 @@ generation loop therefore calls `release_freed_memory()` after a batch (glibc's 
 pages go back to the OS, one call per batch, not per step; a no-op under other C libraries). Fixing the
 mmap threshold instead (4 MiB) bounded memory as well, but mapped the logits afresh every decoding step:
 in a process that also held a vLLM engine (its NUMA memory binding) that halved HF's bf16 tokens/s.
+Since 2026-12-06 the CLI keeps freed memory instead (`deltalens.io.heap.keep_freed_memory`: page faults
+cost tens of microseconds on the VMs we run on) and the call does nothing then; `DELTALENS_MALLOC=trim`
+restores the trimming.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 
 import torch
-
-
-@functools.cache
-def _libc():
-    """glibc, or None under another C library."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-def release_freed_memory() -> bool:
-    """Give the heap's free pages back to the OS (glibc's malloc_trim(0)); False where there is no glibc."""
-    libc = _libc()
-    return bool(libc is not None and libc.malloc_trim(0) >= 0)
 
 
 def cache_name() -> str:

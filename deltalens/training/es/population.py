@@ -80,10 +80,11 @@ from torch import nn
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches
 from deltalens.generation.hf import ended_rows
-from deltalens.generation.kv_cache import cache_name, new_cache, release_freed_memory
+from deltalens.generation.kv_cache import cache_name, new_cache
 from deltalens.generation.params import decode_completion
 from deltalens.generation.prompts import problem_prompts
 from deltalens.generation.sampling import sampling_kwargs
+from deltalens.io.heap import release_freed_memory
 from deltalens.training.es.noise import block_in
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,81 @@
+"""The process heap: keep freed memory for reuse (glibc malloc settings), or give it back to the OS.
+
+Why. glibc serves an allocation above its mmap threshold (at most 32 MiB) with a fresh `mmap` and unmaps
+it on free, and trims free pages off the top of its heap; either way the pages go back to the kernel, and
+the next tensor of that size faults every page in again. A training step of SmolLM2-135M (32 sequences x
+165 tokens) allocates activations, logits and gradients of 12 MB to 1 GB many times over, so it faulted
+millions of pages per step. On the Firecracker VMs this project runs on (kernel 6.18) a fault costs tens of
+microseconds, not ~1: a forward + backward pass spent 66-138 s of system time against 39 s of user time
+(docs/tuning.md, "The heap"). `keep_freed_memory()` sets glibc to serve every allocation from one heap
+(`M_ARENA_MAX` 1, `M_MMAP_MAX` 0: no per-allocation mmap) and never to trim its top (`M_TRIM_THRESHOLD`
+-1; a 2 GiB threshold, mallopt's largest positive value, still trimmed after every GRPO step, whose peak
+is ~20 GB), so freed tensors are reused without faults once the heap has grown to the run's peak;
+`release_freed_memory()` (glibc's malloc_trim, which the generation loops call after each batch) is then a
+no-op. The cost: resident memory stays at the peak the process reached instead of falling between phases.
+
+`DELTALENS_MALLOC=trim` keeps glibc's defaults and trims after every generation batch (what deltalens did
+before 2026-12-06; resident memory falls back between batches). Under another C library (musl, macOS)
+both functions do nothing. The CLI calls `keep_freed_memory()` first thing, before torch starts its
+threads; a library user calls it (or not) themselves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's mallopt parameter numbers (malloc.h)
+NEVER = -1  # M_TRIM_THRESHOLD -1: never trim the heap's top (mallopt(3))
+MODES = ("keep", "trim")
+
+
+@functools.cache
+def _libc():
+    """glibc, or None under another C library."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 (glibc only)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_keeping = False
+
+
+def mode() -> str:
+    """DELTALENS_MALLOC: keep (the default) or trim; anything else is refused in one line."""
+    from deltalens.errors import DeltalensError
+
+    value = os.environ.get("DELTALENS_MALLOC", "keep").strip().lower() or "keep"
+    if value not in MODES:
+        raise DeltalensError(f"DELTALENS_MALLOC must be keep or trim (got {value!r})")
+    return value
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc to reuse freed memory instead of returning it to the OS (module doc), unless
+    DELTALENS_MALLOC=trim; True when the settings took. Call before the process starts threads."""
+    global _keeping
+    libc = _libc()
+    if libc is None or mode() != "keep":
+        return False
+    ok = all(libc.mallopt(p, v) == 1 for p, v in ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER)))
+    _keeping = _keeping or ok
+    return ok
+
+
+def keeping() -> bool:
+    """Whether `keep_freed_memory()` took in this process."""
+    return _keeping
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim(0)), unless this process keeps them
+    (`keep_freed_memory`); False where nothing was released or there is no glibc."""
+    libc = _libc()
+    if libc is None or _keeping:
+        return False
+    return bool(libc.malloc_trim(0) >= 0)
