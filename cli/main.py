@@ -62,11 +62,14 @@ app.command("render")(common.guard(render))
 app.command("report")(common.guard(report))
 
 
+TRAINING_COMMANDS = ("train", "study", "sweep", "demo")  # DELTALENS_MALLOC=auto keeps freed memory in these
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI on `argv` (default: sys.argv[1:]) and exit with its code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    try:  # reuse freed memory instead of faulting it in again (DELTALENS_MALLOC, `deltalens.io.heap`)
-        keep_freed_memory()
+    try:  # training commands reuse freed memory instead of faulting it in again (`deltalens.io.heap`)
+        keep_freed_memory(training=bool(args) and args[0] in TRAINING_COMMANDS)
     except DeltalensError as e:
         common.console.print(f"[bold red]error:[/] {common.escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)

@@ -23,9 +23,9 @@ generation loop therefore calls `release_freed_memory()` after a batch (glibc's 
 pages go back to the OS, one call per batch, not per step; a no-op under other C libraries). Fixing the
 mmap threshold instead (4 MiB) bounded memory as well, but mapped the logits afresh every decoding step:
 in a process that also held a vLLM engine (its NUMA memory binding) that halved HF's bf16 tokens/s.
-Since 2026-12-06 the CLI keeps freed memory instead (`deltalens.io.heap.keep_freed_memory`: page faults
-cost tens of microseconds on the VMs we run on) and the call does nothing then; `DELTALENS_MALLOC=trim`
-restores the trimming.
+Since 2026-12-06 the training commands keep freed memory instead (`deltalens.io.heap.keep_freed_memory`:
+page faults cost tens of microseconds on the VMs we run on) and the call does nothing there;
+`DELTALENS_MALLOC` chooses (auto, keep, trim).
 """
 
 from __future__ import annotations

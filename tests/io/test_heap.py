@@ -56,7 +56,7 @@ def test_trim_mode_returns_memory_and_faults_it_in_again():
     assert trim["again"] > trim["pages"] // 2, trim  # a fresh mapping: every page faulted in again
 
 
-@pytest.mark.parametrize("value, want", [(None, "keep"), ("", "keep"), ("trim", "trim"), (" KEEP ", "keep")])
+@pytest.mark.parametrize("value, want", [(None, "auto"), ("", "auto"), ("trim", "trim"), (" KEEP ", "keep")])
 def test_mode_reads_the_environment(monkeypatch, value, want):
     if value is None:
         monkeypatch.delenv("DELTALENS_MALLOC", raising=False)
@@ -69,8 +69,42 @@ def test_a_bad_mode_is_refused_in_one_line_by_the_cli(monkeypatch):
     from support import run_cli
 
     monkeypatch.setenv("DELTALENS_MALLOC", "jemalloc")
-    with pytest.raises(DeltalensError, match="DELTALENS_MALLOC must be keep or trim"):
+    with pytest.raises(DeltalensError, match="DELTALENS_MALLOC must be auto, keep or trim"):
         heap.mode()
     r = run_cli(["--version"])
     assert r.exit_code == 2
-    assert r.output.strip() == "error: DELTALENS_MALLOC must be keep or trim (got 'jemalloc')"
+    assert r.output.strip() == "error: DELTALENS_MALLOC must be auto, keep or trim (got 'jemalloc')"
+
+
+def test_auto_keeps_only_in_training_processes(monkeypatch):
+    """auto: an analysis process (training=False) is left with glibc's defaults, mallopt never called."""
+    calls = []
+
+    class Libc:
+        def mallopt(self, p, v):
+            calls.append((p, v))
+            return 1
+
+    monkeypatch.setattr(heap, "_libc", lambda: Libc())
+    monkeypatch.setattr(heap, "_keeping", False)
+    monkeypatch.setenv("DELTALENS_MALLOC", "auto")
+    assert heap.keep_freed_memory(training=False) is False and not calls and not heap.keeping()
+    monkeypatch.setenv("DELTALENS_MALLOC", "keep")
+    assert heap.keep_freed_memory(training=False) is True and heap.keeping()
+    assert calls == [(heap.M_ARENA_MAX, 1), (heap.M_MMAP_MAX, 0), (heap.M_TRIM_THRESHOLD, -1)]
+    calls.clear()
+    monkeypatch.setattr(heap, "_keeping", False)
+    monkeypatch.setenv("DELTALENS_MALLOC", "trim")
+    assert heap.keep_freed_memory(training=True) is False and not calls
+
+
+@pytest.mark.parametrize("args, training", [(["train", "es"], True), (["study", "tiny"], True),
+                                            (["eval", "tiny"], False), (["probe", "tiny"], False), ([], False)])
+def test_the_cli_keeps_for_training_commands(monkeypatch, args, training):
+    import deltalens.cli.main as cli_main
+
+    seen = []
+    monkeypatch.setattr(cli_main, "keep_freed_memory", lambda training: seen.append(training))
+    with pytest.raises(SystemExit):
+        cli_main.main([*args, "--help"])
+    assert seen == [training]
