@@ -20,7 +20,9 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's ma
 CHILD = """
 import json, resource, sys
 import torch
+from deltalens.io import heap
 from deltalens.io.heap import keep_freed_memory, keeping, release_freed_memory
+heap.TIGHT = 0.0  # never short of memory here, whatever else the machine runs
 took = keep_freed_memory()
 pages = 48 * 2**20 // 4096
 def faults():
@@ -108,3 +110,29 @@ def test_the_cli_keeps_for_training_commands(monkeypatch, args, training):
     with pytest.raises(SystemExit):
         cli_main.main([*args, "--help"])
     assert seen == [training]
+
+
+def test_a_keeping_process_trims_only_when_memory_runs_short(monkeypatch):
+    trims = []
+
+    class Libc:
+        def malloc_trim(self, pad):
+            trims.append(pad)
+            return 1
+
+    monkeypatch.setattr(heap, "_libc", lambda: Libc())
+    monkeypatch.setattr(heap, "_keeping", True)
+    monkeypatch.setattr(heap, "available_fraction", lambda: 0.5)
+    assert heap.release_freed_memory() is False and trims == []
+    monkeypatch.setattr(heap, "available_fraction", lambda: heap.TIGHT / 2)  # short of memory: trim anyway
+    assert heap.release_freed_memory() is True and trims == [0]
+    monkeypatch.setattr(heap, "available_fraction", lambda: None)  # unknown: keep
+    assert heap.release_freed_memory() is False and trims == [0]
+    monkeypatch.setattr(heap, "_keeping", False)  # trim mode: always
+    assert heap.release_freed_memory() is True and trims == [0, 0]
+
+
+def test_available_fraction_reads_meminfo():
+    frac = heap.available_fraction()
+    if platform.system() == "Linux":
+        assert frac is not None and 0.0 < frac <= 1.0

@@ -101,6 +101,7 @@ from deltalens.generation.dtype import resolve_compute_dtype
 from deltalens.generation.params import SamplingParams, cut_at_stop, cut_ids_at_stop
 from deltalens.generation.prompts import problem_prompts, uses_chat
 from deltalens.io.atomic import atomic_dir, atomic_path
+from deltalens.io.heap import release_freed_memory
 from deltalens.io.models import dtype_name, load_model, weights_checksum
 from deltalens.io.quiet import quiet_transformers
 from deltalens.io.runs import RunDir, checkpoint_name
@@ -446,6 +447,7 @@ def _run_callback_class():
                                                             "compute_dtype": self.compute_dtype}, cfg.save_pt)
             if self.progress:
                 self.progress(step, cfg.steps, row)
+            release_freed_memory()  # a no-op while the heap is kept, unless memory runs short (`io.heap`)
             self.t_last = time.perf_counter()
 
     return RunCallback
