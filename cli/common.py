@@ -44,6 +44,11 @@ out = Console(markup=False)  # results (tables) on stdout, so `> file` and pipes
 # no markup: result tables hold user text (labels, paths, task specs) that must print as it is
 
 
+def print_error(message: str) -> None:
+    """The one-line error every command prints before exit 2 (or click's exit code)."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def guard(fn):
     """Turn DeltalensError into a one-line message and exit 2 (full traceback with DELTALENS_DEBUG=1)."""
 
@@ -54,7 +59,7 @@ def guard(fn):
         except DeltalensError as e:
             if os.environ.get("DELTALENS_DEBUG") == "1":
                 raise
-            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            print_error(str(e))
             raise typer.Exit(code=2) from None
         except KeyboardInterrupt:
             console.print("interrupted")

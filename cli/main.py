@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # training commands reuse freed memory instead of faulting it in again (`deltalens.io.heap`)
         keep_freed_memory(training=bool(args) and args[0] in TRAINING_COMMANDS)
     except DeltalensError as e:
-        common.console.print(f"[bold red]error:[/] {common.escape(str(e))}", highlight=False, soft_wrap=True)
+        common.print_error(str(e))
         sys.exit(2)
     if args and args[0] == "train":
         args = ["train", *train_cmds.rewrite_alias(args[1:])]
@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and e.exit_code == 2 else ""
-        common.console.print(f"[bold red]error:[/] {common.escape(e.format_message())}{common.escape(hint)}",
-                             highlight=False, soft_wrap=True)
+        common.print_error(e.format_message() + hint)
         sys.exit(e.exit_code)
     except typer.Abort:
         common.console.print("aborted")

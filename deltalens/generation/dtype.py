@@ -97,6 +97,15 @@ def resolve_compute_dtype(name: str, device: torch.device | str = "cpu", master:
     return torch.bfloat16 if name == "bf16" else torch.float32
 
 
+def model_compute_dtype(name: str, model: torch.nn.Module, device: torch.device | str | None = None) -> torch.dtype:
+    """`resolve_compute_dtype` for a loaded `model`: its weights' dtype and hidden size (config.hidden_size),
+    on `device` (default: where its weights are; CPU for a model without parameters)."""
+    param = next(model.parameters(), None)
+    where = device if device is not None else ("cpu" if param is None else param.device)
+    return resolve_compute_dtype(name, where, torch.float32 if param is None else param.dtype,
+                                 getattr(getattr(model, "config", None), "hidden_size", None))
+
+
 def planned_compute_dtype(spec: str | ModelRef, compute_dtype: str = "fp32", *, dtype: str = "fp32", device: str | None = "cpu",
                           config: str | None = None) -> str:
     """The name of the dtype generation of the model `spec` will run in (fp32, bf16, fp16), said before the

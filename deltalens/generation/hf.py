@@ -51,7 +51,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, token_budget
-from deltalens.generation.dtype import compute_copy, resolve_compute_dtype, sync_copy
+from deltalens.generation.dtype import compute_copy, model_compute_dtype, sync_copy
 from deltalens.generation.kv_cache import cache_name, new_cache
 from deltalens.generation.params import SamplingParams, cut_at_stop, decode_completion
 from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
@@ -88,10 +88,7 @@ class HFBackend:
         self.chat = uses_chat(tokenizer, chat_template)
         if tokenizer.pad_token_id is None:
             raise DeltalensError("tokenizer has no pad or eos token; cannot batch generation")
-        param = next(model.parameters(), None)
-        self.dtype = resolve_compute_dtype(compute_dtype, "cpu" if param is None else param.device,
-                                           torch.float32 if param is None else param.dtype,
-                                           getattr(getattr(model, "config", None), "hidden_size", None))
+        self.dtype = model_compute_dtype(compute_dtype, model)
         self.compute_model = None
         self._as_is = False  # `as_is`: generate on the compute copy without refreshing it
         if batch_tokens is None:

@@ -2,27 +2,23 @@
 
 Why. glibc serves an allocation above its mmap threshold (at most 32 MiB) with a fresh `mmap` and unmaps
 it on free, and trims free pages off the top of its heap; either way the pages go back to the kernel, and
-the next tensor of that size faults every page in again. A training step of SmolLM2-135M (32 sequences x
-165 tokens) allocates activations, logits and gradients of 12 MB to 1 GB many times over, so it faulted
-millions of pages per step. On the Firecracker VMs this project runs on (kernel 6.18) a fault costs tens of
-microseconds, not ~1: a forward + backward pass spent 66-138 s of system time against 39 s of user time
-(docs/tuning.md, "The heap"). `keep_freed_memory()` sets glibc to serve every allocation from one heap
-(`M_ARENA_MAX` 1, `M_MMAP_MAX` 0: no per-allocation mmap) and never to trim its top (`M_TRIM_THRESHOLD`
--1; a 2 GiB threshold, mallopt's largest positive value, still trimmed after every GRPO step, whose peak
-is ~20 GB), so freed tensors are reused without faults once the heap has grown to the run's peak;
-`release_freed_memory()` (glibc's malloc_trim, which the generation loops call after each batch and GRPO
-after each step) then trims only when under TIGHT (10%) of the machine's memory is available. The cost:
-resident memory stays at the peak the process reached instead of falling between phases, and grows with
-fragmentation: a SmolLM2 GRPO run of the `smollm2` preset reached 23.2 GB resident by its 15th step on a
-24 GB machine (21.1 GB peak with glibc's defaults), which is why the trim above is kept as a safety valve.
+the next tensor of that size faults every page in again. A training step allocates activations, logits
+and gradients of that size many times over, and on the Firecracker VMs this project runs on a page fault
+costs tens of microseconds, so a GRPO step spent most of its time in the kernel (figures: docs/tuning.md,
+"The heap"). `keep_freed_memory()` sets glibc to serve every allocation from one heap (`M_ARENA_MAX` 1,
+`M_MMAP_MAX` 0: no per-allocation mmap) and never to trim its top (`M_TRIM_THRESHOLD` -1; mallopt's
+largest positive value, 2 GiB, is below a GRPO step's peak), so freed tensors are reused without faults
+once the heap has grown to the run's peak. `release_freed_memory()` (glibc's malloc_trim, which the
+generation loops call after each batch and GRPO after each step) then trims only when under TIGHT of the
+machine's memory is available. The cost: resident memory stays at the peak the process reached instead
+of falling between phases, and grows with fragmentation, hence that safety valve.
 
 Who keeps: `DELTALENS_MALLOC=auto` (the default) keeps freed memory in the commands that train (`train`,
-`study`, `sweep`, `demo`), where it pays (a SmolLM2 GRPO step 1.8x, an ES iteration 1.14x), and trims in
-the others (`eval`, `probe`, `diff`, ...), where it paid little (an evaluation 1.07x) and cost memory
-(`deltalens probe smollm2 --limit 50 --samples 16` peaked at 2.03 GB kept against 1.65 GB trimmed, above
-issue #32's 2 GB). `keep` and `trim` force one way for every command; `trim` is what deltalens did before
-2026-12-06. Under another C library (musl, macOS) both functions do nothing. The CLI calls
-`keep_freed_memory(training=...)` first thing; a library user calls it (or not) themselves.
+`study`, `sweep`, `demo`), where it pays, and trims in the others (`eval`, `probe`, `diff`, ...), where it
+paid little and cost memory (the probe's peak rose above issue #32's 2 GB). `keep` and `trim` force one
+way for every command; `trim` is what deltalens did before 2026-12-06. Under another C library (musl,
+macOS) both functions do nothing. The CLI calls `keep_freed_memory(training=...)` first thing; a library
+user calls it (or not) themselves.
 """
 
 from __future__ import annotations
@@ -31,6 +27,8 @@ import ctypes
 import ctypes.util
 import functools
 import os
+
+from deltalens.errors import DeltalensError
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's mallopt parameter numbers (malloc.h)
 NEVER = -1  # M_TRIM_THRESHOLD -1: never trim the heap's top (mallopt(3))
@@ -54,8 +52,6 @@ _keeping = False
 
 def mode() -> str:
     """DELTALENS_MALLOC: auto (the default), keep or trim; anything else is refused in one line."""
-    from deltalens.errors import DeltalensError
-
     value = os.environ.get("DELTALENS_MALLOC", "auto").strip().lower() or "auto"
     if value not in MODES:
         raise DeltalensError(f"DELTALENS_MALLOC must be auto, keep or trim (got {value!r})")

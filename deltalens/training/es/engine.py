@@ -46,7 +46,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend, SamplingParams
-from deltalens.generation.dtype import master_dtype_params, resolve_compute_dtype
+from deltalens.generation.dtype import master_dtype_params, model_compute_dtype
 from deltalens.generation.prompts import problem_prompts
 from deltalens.io.models import dtype_name, weights_checksum  # defined in io.models (shared with GRPO)
 from deltalens.training.es import lowrank  # noqa: F401 - registers the "lowrank" noise family
@@ -104,8 +104,7 @@ def es_compute_dtype(config: ESConfig, model: torch.nn.Module, pinned: str | Non
         return dtype_name(param.dtype)
     if pinned is not None:
         return pinned
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    name = dtype_name(resolve_compute_dtype(config.compute_dtype, param.device, param.dtype, hidden))
+    name = dtype_name(model_compute_dtype(config.compute_dtype, model))
     if name == "bf16" and config.compute_dtype == "auto" and coarse_tensor(model, config) is not None:
         return "fp32"  # auto means "fast where exact enough": σ would drown in bf16's rounding here
     return name

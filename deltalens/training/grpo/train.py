@@ -97,7 +97,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend
-from deltalens.generation.dtype import resolve_compute_dtype
+from deltalens.generation.dtype import model_compute_dtype
 from deltalens.generation.params import SamplingParams, cut_at_stop, cut_ids_at_stop
 from deltalens.generation.prompts import problem_prompts, uses_chat
 from deltalens.io.atomic import atomic_dir, atomic_path
@@ -264,8 +264,7 @@ def grpo_compute_dtype(config: GRPOConfig, model: torch.nn.Module, pinned: str |
         return dtype_name(param.dtype)
     if pinned is not None:
         return pinned
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    return dtype_name(resolve_compute_dtype(config.compute_dtype, config.device, param.dtype, hidden))
+    return dtype_name(model_compute_dtype(config.compute_dtype, model, config.device))
 
 
 def sample_rollouts(backend: HFBackend, prompt_ids: list[list[int]], group: int, params: SamplingParams) -> list[list[int]]:
@@ -351,13 +350,15 @@ def load_trainer_state(path: Path) -> dict:
                              f"{str(e).splitlines()[0][:160]}); it is corrupt: restore it or start a new run") from e
 
 
-def _held_out(model, tok, task, config: GRPOConfig, compute_dtype: str = "fp32") -> dict:
+def _held_out(model, tok, task, config: GRPOConfig, compute_dtype: str = "fp32", backend=None) -> dict:
     """Greedy Pass@1 on the first `eval_limit` validation problems (the same measure ES logs), generated
-    in the run's compute dtype (as ES's members and its held-out evaluation are)."""
+    in the run's compute dtype (as ES's members and its held-out evaluation are); `backend`: the trainer's
+    rollout backend when it has one (its bf16 copy, refreshed from `model`), else a new one."""
+    if backend is None:
+        backend = HFBackend(model, tok, chat_template=config.chat_template,
+                            compute_dtype="bf16" if compute_dtype == "bf16" else "fp32")
     return held_out_pass_at_1(model, tok, task, limit=config.eval_limit,
-                              max_new_tokens=config.max_new_tokens or task.max_new_tokens,
-                              backend=HFBackend(model, tok, chat_template=config.chat_template,
-                                                compute_dtype="bf16" if compute_dtype == "bf16" else "fp32"))
+                              max_new_tokens=config.max_new_tokens or task.max_new_tokens, backend=backend)
 
 
 def _num(v):
@@ -435,7 +436,8 @@ def _run_callback_class():
                 return
             m = self._model(model)
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                row["eval"] = _held_out(m, self.tok, self.task, cfg, self.compute_dtype)
+                row["eval"] = _held_out(m, self.tok, self.task, cfg, self.compute_dtype,
+                                        getattr(self.trainer, "rollouts", None))
             self.run.log(row)
             self.tracker.log_row(row, rewards=rewards)
             name = "final" if step == cfg.steps else (
