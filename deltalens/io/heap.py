@@ -18,7 +18,7 @@ Who keeps: `DELTALENS_MALLOC=auto` (the default) keeps freed memory in the comma
 paid little and cost memory (the probe's peak rose above issue #32's 2 GB). `keep` and `trim` force one
 way for every command; `trim` is what deltalens did before 2026-12-06. Under another C library (musl,
 macOS) both functions do nothing. The CLI calls `keep_freed_memory(training=...)` first thing; a library
-user calls it (or not) themselves.
+user calls it (or not) themselves. A study's Ray workers follow their driver (deltalens.study.ray_executor).
 """
 
 from __future__ import annotations

@@ -55,6 +55,12 @@ Faults.
     whole), and its unpacking directory (ROOT/.ray-incoming-*), which the next run removes; the task
     itself was not recorded as done and reruns. The same command (the same graph) resumes.
 
+The heap: a task's worker keeps freed memory (`deltalens.io.heap.keep_freed_memory`) when the driver does
+(`heap.keeping()`, sent with the task: the CLI's training commands under DELTALENS_MALLOC=auto or keep), so a
+study's GRPO steps run as fast on a worker as on one machine; a worker whose own DELTALENS_MALLOC is `trim`
+does not. Ray workers are reused and already run threads, so glibc's arenas made before the first task
+stay (M_ARENA_MAX only stops new ones); the no-mmap and no-trim settings take in full.
+
 Progress: one live table on stderr (task, kind, node, state, iteration, elapsed), redrawn twice a second
 by rich when stderr is a terminal (DELTALENS_PROGRESS=1 forces it); elsewhere (Slurm, nohup, CI) a plain
 line at every state change and a summary every DELTALENS_PROGRESS_EVERY seconds (default 30);
@@ -91,6 +97,7 @@ from typing import Any
 
 import deltalens
 from deltalens.errors import DeltalensError
+from deltalens.io import heap
 from deltalens.study.executor import Log, Task, TaskContext, check_graph
 from deltalens.timefmt import duration
 
@@ -318,6 +325,8 @@ def run_remote(spec: dict, blob: Any, board) -> dict:
     rep = _Reporter(board, key)
     rep.send("start", node_id, host)
     rep.flush()  # the driver learns of every attempt (a retry after a node died) before it can finish
+    if spec.get("keep_heap"):  # the driver keeps freed memory (a training command): so does its worker
+        heap.keep_freed_memory(training=True)
     tmp = None
     try:
         if mode == "shared":
@@ -704,7 +713,7 @@ class RayExecutor:
         spec = {"key": t.key, "fn": t.fn, "args": tuple(t.args), "kwargs": dict(t.kwargs), "mode": self.mode,
                 "deps": {d: results[d] for d in t.deps}, "outputs": list(t.outputs), "root": str(root),
                 "token": token, "artefacts": str(self.artefacts) if self.artefacts else None,
-                "blob_id": uuid.uuid4().hex}
+                "blob_id": uuid.uuid4().hex, "keep_heap": heap.keeping()}
         blob = None
         if self.mode != "shared":
             blob = pack(root, self._inputs(t, by_key))

@@ -87,6 +87,11 @@ def slow(ctx: TaskContext, marks: str, seconds: float) -> str:
     return "slept"
 
 
+def heap_kept(ctx: TaskContext) -> bool:
+    from deltalens.io import heap
+    return heap.keeping()
+
+
 def graph(extra: tuple = ()) -> list[Task]:
     return [
         Task("a", write_a, args=("alpha",), outputs=("out/a.txt",)),
@@ -147,6 +152,17 @@ def test_toy_graph_matches_local_on_both_nodes(ray_cluster, tmp_path, shared_fs)
                                                                                        log=lambda s: None)
     assert got2 == want2 and got2["e"] == 2
     assert tree(ray_root) == tree(local_root)
+
+
+@pytest.mark.ray_cluster
+def test_workers_keep_freed_memory_when_the_driver_does(ray_cluster, tmp_path, monkeypatch):
+    from deltalens.io import heap
+    monkeypatch.delenv("DELTALENS_MALLOC", raising=False)
+    monkeypatch.setattr(heap, "_keeping", True)  # as after the CLI's keep_freed_memory(training=True)
+    tasks = [Task("k", heap_kept, outputs=()), Task("h", heap_kept, outputs=(), deps=("k",))]
+    got = RayExecutor(ray_cluster.address, shared_fs=True, progress="off", options={"k": PLACE["a"],
+                      "h": PLACE["b"]}).run(tasks, tmp_path / "study", log=lambda s: None)
+    assert got == {"k": True, "h": True}  # on both nodes, the worker set glibc to keep (mallopt took)
 
 
 @pytest.mark.ray_cluster
