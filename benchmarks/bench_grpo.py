@@ -1,22 +1,30 @@
-"""GRPO step time by rollout dtype: TRL's fp32 `generate` on the policy vs deltalens's HF backend on a bf16
-copy (`GRPOConfig.compute_dtype`), the rest of the step (log-probabilities, KL reference, loss, AdamW) fp32.
+"""GRPO step time and peak memory by rollout dtype and micro-batch: TRL's fp32 `generate` on the policy vs
+deltalens's HF backend on a bf16 copy (`GRPOConfig.compute_dtype`), the rest of the step (log-probabilities,
+KL reference, loss, AdamW) fp32; all P·G completions in one forward/backward vs `--micro-batch` of them.
 
     python benchmarks/bench_grpo.py --model smollm2 --preset smollm2 --steps 3 --compute-dtype fp32,bf16 \
         --out benchmarks/results/bench_grpo-smollm2-amx-DATE.json
+    python benchmarks/bench_grpo.py --model smollm2 --preset smollm2 --steps 3 --compute-dtype auto \
+        --micro-batch all,8 --task add:digits=1-2,terms=2,shots=2
 
-Each compute dtype trains a fresh run of `--steps` steps from the same base weights and seed into a temporary
+Each (compute dtype, micro-batch) pair, in that order, trains a fresh run in its own child process (so
+`peak_rss_kb`, the child's getrusage maximum resident set, is that run's alone; the heap setting is the
+CLI's, DELTALENS_MALLOC) of `--steps` steps from the same base weights and seed into a temporary
 directory (no held-out evaluation, no checkpoint but the final one). Per run: every step's wall time
 (`timing.iteration_s` of its metrics row), the time inside rollout generation (`_generate_single_turn`,
 timed around the call), the mean completion length TRL logged, and the rewards. The summary takes the
-median over steps 2.. (step 1 also loads the KL reference). `speedup_vs_first` is the first dtype's median
-step (and rollout) time over this one's: ratios measured side by side in one process.
+median over steps 2.. (step 1 also loads the KL reference). `speedup_vs_first` is the first configuration's
+median step (and rollout) time over this one's, and this one's peak over the first's: ratios measured side by
+side in one invocation. Runs before 2026-12-06 put every dtype in one process (no peak per run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task: str | None = None) -> dict:
+def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task: str | None = None,
+        micro_batch: int | None = None) -> dict:
     import deltalens.training.grpo.train as grpo
     from deltalens.training.grpo.config import GRPOConfig
 
@@ -46,7 +55,8 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task
         return Timed
 
     cfg = GRPOConfig.preset(preset, model=model, steps=steps, eval_every=0, save_every=0, seed=seed,
-                            compute_dtype=compute_dtype, **({"task": task} if task else {}))
+                            compute_dtype=compute_dtype, micro_batch_size=micro_batch,
+                            **({"task": task} if task else {}))
     grpo._trainer_class = timed_class
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -62,6 +72,7 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task
     return {
         "compute_dtype": compute_dtype,
         "resolved": rows[0].get("compute_dtype"),
+        "micro_batch": micro_batch or cfg.prompts_per_step * cfg.num_generations,
         "steps": len(rows),
         "step_s": step_s,
         "rollout_s": [round(x, 3) for x in rollout_s],
@@ -70,7 +81,19 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task
         "completion_length": [r.get("completion_length") for r in rows],
         "reward_mean": [r["reward_mean"] for r in rows],
         "wall_s": round(wall, 2),
+        "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,  # Linux: kB
     }
+
+
+def run_child(a: argparse.Namespace, compute_dtype: str, micro: int | None) -> dict:
+    """One configuration in a fresh interpreter (its own peak memory), its result read back as JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "one.json"
+        cmd = [sys.executable, __file__, "--one", str(out), "--model", a.model, "--preset", a.preset, "--steps",
+               str(a.steps), "--compute-dtype", compute_dtype, "--seed", str(a.seed),
+               "--micro-batch", "all" if micro is None else str(micro), *(["--task", a.task] if a.task else [])]
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -82,8 +105,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--task", default=None, help="task spec (default: GRPOConfig's, arith; e.g. SmolLM2's own "
                     "add:digits=1-2,terms=2,shots=2)")
+    ap.add_argument("--micro-batch", default="all", help="comma-separated completions per forward/backward, "
+                    "'all' = P·G at once (the default)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)  # a child: one configuration
     a = ap.parse_args()
+    micros = [None if m.strip() == "all" else int(m) for m in a.micro_batch.split(",")]
 
     import torch
 
@@ -93,11 +120,17 @@ def main() -> None:
 
     from deltalens.generation.dtype import cpu_flags
 
-    results = [run(a.model, a.preset, a.steps, d, a.seed, a.task) for d in a.compute_dtype.split(",")]
+    if a.one is not None:
+        res = run(a.model, a.preset, a.steps, a.compute_dtype, a.seed, a.task, micros[0])
+        res["malloc"] = malloc
+        a.one.write_text(json.dumps(res))
+        return
+    results = [run_child(a, d, m) for d in a.compute_dtype.split(",") for m in micros]
     first = results[0]
     for r in results:
         r["speedup_vs_first"] = {"step": round(first["median_step_s"] / r["median_step_s"], 3),
-                                 "rollout": round(first["median_rollout_s"] / r["median_rollout_s"], 3)}
+                                 "rollout": round(first["median_rollout_s"] / r["median_rollout_s"], 3),
+                                 "peak_rss": round(r["peak_rss_kb"] / first["peak_rss_kb"], 3)}
     from deltalens.training.grpo.config import GRPOConfig
 
     doc = {"command": " ".join(sys.argv), "model": a.model, "preset": a.preset, "task": a.task or GRPOConfig().task, "malloc": malloc,
