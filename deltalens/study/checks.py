@@ -193,14 +193,16 @@ def population_checks(cfg, base_evals, evals_by_group, R) -> list[dict]:
         return checks
     ref = evals_by_group["es"]
     base1 = table_of(base_evals, "pass", 1)
+    scaled = getattr(cfg, "population_alpha", "fixed") == "scaled"
+    at = " (α scaled by N)" if scaled else ""  # --population-alpha: named in every check it changes
     for n in cfg.population_sizes:
         evs = evals_by_group.get(f"es-n{n}")
         if evs:
             est, ev = multiplicity.fieller_share(table_of(evs, "pass", 1), table_of(ref, "pass", 1), base1)
-            checks.append(check(6, f"es N={n}: share of the reference ES run's Pass@1 gain (Fieller), at least "
+            checks.append(check(6, f"es N={n}{at}: share of the reference ES run's Pass@1 gain (Fieller), at least "
                                    f"{SCALE_FRACTION:g}", f"es-n{n}", "pass@1 gain share", est,
                                 ev.interval(stats.LEVEL), +1, null=SCALE_FRACTION, evidence=ev,
-                                seed_spread=len(evs) > 1, population=n))
+                                seed_spread=len(evs) > 1, population=n, alpha_scaled=scaled))
     two = evals_by_group.get(TWO_POINT)
     if two:
         group = two_point_reference(cfg)
@@ -211,10 +213,10 @@ def population_checks(cfg, base_evals, evals_by_group, R) -> list[dict]:
         for k in sorted({1, max(cfg.k)}):
             e = stats.paired_effect(table_of(two, "pass", k), table_of(other, "pass", k), trained_base=True,
                                     span=1.0, resamples=R, replicates=True)
-            checks.append(_effect_check(7, f"two-point es (N=2) minus {group} (N={TWO_POINT_REFERENCE_N}), "
+            checks.append(_effect_check(7, f"two-point es (N=2) minus {group} (N={TWO_POINT_REFERENCE_N}){at}, "
                                            f"Pass@{k}: no advantage (below +{TWO_POINT_MARGIN:g})", TWO_POINT, k,
                                         e, -1, null=TWO_POINT_MARGIN, trained_base=True, reference=group,
-                                        reference_population=TWO_POINT_REFERENCE_N))
+                                        reference_population=TWO_POINT_REFERENCE_N, alpha_scaled=scaled))
     return checks
 
 

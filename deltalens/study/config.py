@@ -20,6 +20,7 @@ from deltalens.training.tracking import normalize_report_to
 
 COMPUTE_DTYPES = ("auto", "fp32", "bf16")  # deltalens.generation.dtype.COMPUTE_DTYPES (that module needs torch)
 PAPER_TEMPERATURE = 0.6  # the paper's evaluation temperature: claim 1's verdict uses it when it is evaluated
+POPULATION_ALPHA = ("fixed", "scaled")  # --population-alpha: claims 6 and 7's extra ES runs keep the study's α, or scale it by N/N_ref
 
 
 def seeds_checks(seeds: tuple[int, ...]) -> list[tuple[bool, str]]:
@@ -108,6 +109,10 @@ class StudyConfig(Config):
     two_point: bool = option(False, "claim 7: an extra two-point ES run per seed (N=2, one antithetic pair) at "
                              "the same budget, compared with ES at N=16 (the es runs if the preset's N is 16, "
                              "else es-n16 runs, added unless --population-sizes lists 16)")
+    population_alpha: str = option("fixed", "claims 6 and 7: α of the extra ES runs (es-n<N>, es-2pt): fixed "
+                                   "(the study's α at every N) or scaled (α·N/N_ref, N_ref the es runs' N: at one "
+                                   "budget every N then moves, to first order, as far along the gradient and as far "
+                                   "by noise as the es runs; docs/reproduction.md)")
     es_options: tuple[str, ...] = option((), "settings of every ES run (es, es-n<N> but their N, es-2pt but its N, "
                                          "ES->GRPO's ES stage) over the preset: name=value, comma-separated, "
                                          "the names of `deltalens train es` (e.g. population=32: claim 6 across "
@@ -142,6 +147,8 @@ class StudyConfig(Config):
             (len(set(temps)) == len(temps) and (self.temperatures is None or bool(self.temperatures)),
              "--temperatures must be distinct values"),
             (all(n >= 2 for n in self.population_sizes), "--population-sizes must be >= 2"),
+            (self.population_alpha in POPULATION_ALPHA,
+             f"--population-alpha must be fixed or scaled (got {self.population_alpha!r})"),
             (not (self.population_sizes or self.two_point) or "es" in self.methods,
              "--population-sizes and --two-point need the es runs: add es to --methods"),
             *ray_checks(self),  # --ray and its companions (deltalens.study.cluster)

@@ -249,6 +249,8 @@ def _check_study_file(cfg: StudyConfig, out: Path) -> None:
     settings = {k: getattr(cfg, k) for k in pinned}
     if cfg.es_options:  # pinned only when given, so studies pinned before the option existed still match
         settings["es_settings"] = cfg.es_settings
+    if cfg.population_alpha != "fixed":  # likewise: pinned when not the default
+        settings["population_alpha"] = cfg.population_alpha
     diff = pin_json(settings, out / "study.json")
     if diff:
         raise DeltalensError(f"{out} is a study with other settings ({', '.join(f'{k}: {a!r} vs {b!r}' for k, (a, b) in sorted(diff.items()))}); "

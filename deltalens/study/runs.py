@@ -7,6 +7,8 @@ model's ES preset; `deltalens.training.budget`), each in DIR/runs/<label>:
     es-2pt-s0, ...                       --two-point: ES with one antithetic pair (N = 2), same budget, for
                                          claim 7 (group es-2pt)
 
+The extra runs keep the study's α, or with --population-alpha scaled take α·N/N_ref (`_es_variant`).
+
 Claim 7 compares two-point ES with ES at N = 16 (TWO_POINT_REFERENCE_N, the paper's) at the same budget:
 with --two-point the plan holds such a group (`two_point_reference`): the study's es runs when the preset's
 N is 16, else es-n16, --population-sizes' run at N = 16, added when that option does not list 16. A label
@@ -75,12 +77,21 @@ def population_sizes(cfg: StudyConfig) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def _es_variant(preset: str, given: dict, population: int, two_point: bool) -> ESConfig:
+def _es_variant(preset: str, given: dict, population: int, two_point: bool, alpha_rule: str = "fixed") -> ESConfig:
     """ES at population N (two-point: N = 2 mirrored), every other setting the study's (`given`: the preset's
-    with --es-options over them); population-batched generation is capped at N (it cannot batch more members
-    than there are)."""
-    batch = min(ESConfig.resolve(preset=preset, given=given).population_batch, population)
+    with --es-options over them) but α under `alpha_rule` "scaled": α·N/N_ref (N_ref, α: the study's es runs').
+    Population-batched generation is capped at N (it cannot batch more members than there are).
+
+    Why scaled. The update (α/N)·Σ z_i ε_i has expectation ~α·ρ·ĝ (ĝ the reward gradient's direction, ρ the
+    correlation of z with ε·ĝ) and a noise part of norm ~α·sqrt(d/N); at one budget N x iterations is fixed,
+    so at fixed α a run at N/2 moves twice as far along ĝ *and* twice as far by noise. With α ∝ N both
+    totals are the same at every N (first order), and what remains is what N itself does: the z-scores of
+    a few rewards, and the path's curvature."""
+    ref = ESConfig.resolve(preset=preset, given=given)
+    batch = min(ref.population_batch, population)
     extra = {"population": population, "population_batch": batch, **({"antithetic": True} if two_point else {})}
+    if alpha_rule == "scaled":
+        extra["alpha"] = ref.alpha * population / ref.population
     return ESConfig.resolve(preset=preset, given={**given, **extra})
 
 
@@ -102,7 +113,7 @@ def run_plan(cfg: StudyConfig, out: Path) -> list[dict]:
             es_given = {**cfg.es_settings, **given}
             stages = chain_stages(method)
             if population is not None:
-                es = _es_variant(preset, es_given, population, group == TWO_POINT)
+                es = _es_variant(preset, es_given, population, group == TWO_POINT, cfg.population_alpha)
                 total, configs = es.iterations, {"es": es}
             elif stages is None:  # one method (deltalens.training.methods): its budget gives its count
                 m = methods.get(method)

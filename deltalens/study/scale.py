@@ -20,8 +20,9 @@ by parameter count (at least MIN_SIZES = 3 sizes, one reference N for all of the
                    the smallest model's (its upper end < the smallest's lower end)
     contradicted   it never shrinks, and the largest model's interval lies wholly above the smallest's
     unclear        otherwise, or with fewer than 3 sizes ("unclear: needs 3 model sizes"), with reference
-                   populations that differ (each N needed is measured against a different gain), or where a
-                   model's reference gain is not above 0 (no share is defined)
+                   populations that differ (each N needed is measured against a different gain), with
+                   studies whose extra runs took α differently (--population-alpha fixed vs scaled), or where
+                   a model's reference gain is not above 0 (no share is defined)
 
 Parameter counts come from each study's analysis.json (`diff.<run>.n_params`: every floating-point
 parameter, tied tensors once); a document without them falls back to the base model's config.json
@@ -198,6 +199,7 @@ def model_row(name: str, study_dir: Path, doc: dict, fraction: float) -> dict:
     cfg = doc["study"].get("config") or {}
     return {"study": name, "model": cfg.get("model", (doc.get("base") or {}).get("path")), "task": cfg.get("task"),
             "params": params, "params_from": params_from, "reference_population": ref, "reference_from": ref_from,
+            "population_alpha": cfg.get("population_alpha", "fixed"),  # studies before the option: fixed
             "interval": "holm" if kinds == {"holm"} else "95%" if kinds == {"95%"} else "mixed",
             "sizes": sizes, **n_needed(sizes, ref, fraction)}
 
@@ -210,6 +212,10 @@ def scale_verdict(models: list[dict]) -> tuple[str, str]:
     if len(refs) > 1:
         return "unclear", (f"the reference ES populations differ ({', '.join(map(str, refs))}): each model's N needed "
                            "is measured against a different gain")
+    rules = sorted({m["population_alpha"] for m in models})
+    if len(rules) > 1:
+        return "unclear", ("the studies ran their extra ES runs under different --population-alpha rules "
+                           f"({', '.join(rules)}): their N needed are not comparable")
     undefined = [m["study"] for m in models if m["n_needed"] is None]
     if undefined:
         return "unclear", f"no share of the reference gain is defined for {', '.join(undefined)} (its gain is not above 0)"

@@ -160,6 +160,17 @@ def test_claim6_share_of_the_reference_gain_with_its_fieller_interval():
     assert by[4]["p_value"] == pytest.approx(2 * sps.t.sf(z, 4))
 
 
+def test_claim6_and_7_checks_name_a_scaled_alpha():
+    evals = {"es": [_ev(REF)], "es-n4": [_ev(REF)], "es-n16": [_ev(REF)], "es-2pt": [_ev(BASE)]}
+    for rule, tag in (("fixed", ""), ("scaled", " (α scaled by N)")):
+        cfg = _cfg(k=(1, 2), samples=N, population_sizes=(4,), two_point=True, population_alpha=rule)
+        checks = population_checks(cfg, [_ev(BASE)], evals, 200)
+        assert [c["claim"] for c in checks] == [6, 7, 7]
+        assert checks[0]["check"].startswith(f"es N=4{tag}: share") and checks[1]["check"].startswith(
+            f"two-point es (N=2) minus es-n16 (N=16){tag}, Pass@1")
+        assert all(c["alpha_scaled"] is (rule == "scaled") for c in checks)
+
+
 def test_claim6_no_reference_gain_is_untestable():
     cfg = _cfg(k=(1, 2), samples=N, population_sizes=(4,))
     (c,) = population_checks(cfg, [_ev(BASE)], {"es": [_ev(BASE)], "es-n4": [_ev(REF)]}, 1000)

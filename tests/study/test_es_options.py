@@ -84,3 +84,39 @@ def test_they_are_pinned_and_an_older_study_without_them_still_matches(tmp_path)
     for other in ({"es_options": "population=8"}, {}):
         with pytest.raises(DeltalensError, match="other settings"):
             _check_study_file(StudyConfig.resolve(given={"model": "tiny", **other}), out)
+
+
+def test_population_alpha_scaled_gives_the_extra_runs_alpha_times_n_over_the_reference_n(tmp_path):
+    _, fixed = plan(tmp_path, population_sizes="4,8", two_point=True)
+    _, runs = plan(tmp_path, population_sizes="4,8", two_point=True, population_alpha="scaled")
+    alpha = ESConfig.preset("smollm2").alpha  # the smollm2 preset's N is 16: it is the reference N here
+    assert {k: fixed[k]["configs"]["es"].alpha for k in ("es-s0", "es-n4-s0", "es-n8-s0", "es-2pt-s0")} \
+        == dict.fromkeys(("es-s0", "es-n4-s0", "es-n8-s0", "es-2pt-s0"), alpha)
+    got = {k: runs[k]["configs"]["es"].alpha for k in ("es-s0", "es-n4-s0", "es-n8-s0", "es-2pt-s0")}
+    assert got == pytest.approx({"es-s0": alpha, "es-n4-s0": alpha / 4, "es-n8-s0": alpha / 2,
+                                 "es-2pt-s0": alpha / 8})
+    assert runs["es-grpo-s0"]["configs"]["es"].alpha == alpha  # only the extra runs change
+    # every other setting, and the iterations the budget gives, are the fixed rule's
+    for k in ("es-n4-s0", "es-2pt-s0"):
+        a, b = runs[k]["configs"]["es"].to_dict(), fixed[k]["configs"]["es"].to_dict()
+        assert {x for x in a if a[x] != b[x]} == {"alpha"} and runs[k]["total"] == fixed[k]["total"]
+    # against --es-options' reference N = 32 and α: N = 16 (claim 7's es-n16) gets half of it
+    _, runs32 = plan(tmp_path, two_point=True, population_alpha="scaled", es_options="population=32,alpha=4e-4")
+    assert runs32["es-n16-s0"]["configs"]["es"].alpha == pytest.approx(2e-4)
+    assert runs32["es-2pt-s0"]["configs"]["es"].alpha == pytest.approx(2.5e-5)
+
+
+def test_population_alpha_is_refused_when_unknown_and_pinned_when_scaled(tmp_path):
+    with pytest.raises(DeltalensError, match=r"^--population-alpha must be fixed or scaled \(got 'double'\)$"):
+        StudyConfig.resolve(given={"model": "tiny", "population_alpha": "double"})
+    fixed = StudyConfig.resolve(given={"model": "tiny", "population_sizes": "4"})
+    scaled = StudyConfig.resolve(given={"model": "tiny", "population_sizes": "4", "population_alpha": "scaled"})
+    _check_study_file(fixed, tmp_path)
+    assert "population_alpha" not in json.loads((tmp_path / "study.json").read_text())  # older studies match
+    with pytest.raises(DeltalensError, match=r"population_alpha: None vs 'scaled'"):
+        _check_study_file(scaled, tmp_path)
+    (tmp_path / "study.json").unlink()
+    _check_study_file(scaled, tmp_path)
+    _check_study_file(scaled, tmp_path)  # the same settings again: accepted
+    with pytest.raises(DeltalensError, match=r"population_alpha: 'scaled' vs None"):
+        _check_study_file(fixed, tmp_path)

@@ -28,13 +28,15 @@ def _check(n, share, lo, hi, holm=True):
     return c
 
 
-def _study(root: Path, name: str, params, sizes, reference=32, *, diff=True, base="m", claim6=True) -> Path:
+def _study(root: Path, name: str, params, sizes, reference=32, *, diff=True, base="m", claim6=True,
+           alpha=None) -> Path:
     """A study directory with an analysis.json: claim 6's checks `sizes` [(N, share, lo, hi)]."""
     d = root / name
     d.mkdir(parents=True)
     checks = [_check(*s) for s in sizes]
     doc = {"schema_version": 1, "base": {"label": "base", "path": base},
-           "study": {"config": {"model": f"model-{name}", "task": "arith"}, "rule": "r",
+           "study": {"config": {"model": f"model-{name}", "task": "arith",
+                                **({"population_alpha": alpha} if alpha else {})}, "rule": "r",
                      "claims": [{"id": 1, "title": "one", "verdict": "unclear", "checks": []},
                                 *([{"id": 6, "title": "six", "verdict": "unclear", "checks": checks}] if claim6 else [])],
                      "runs": [{"label": "es-s0", "group": "es", "method": "es", "seed": 0, "dir": "runs/es-s0"}],
@@ -102,6 +104,17 @@ def test_a_verdict_needs_three_sizes_and_one_reference(tmp_path):
     dirs.append(_study(tmp_path / "b", "large", *SHRINKS["large"], reference=16))
     res = scale_analysis(dirs)
     assert res["verdict"] == "unclear" and "reference ES populations differ (16, 32)" in res["reason"]
+
+
+def test_studies_under_different_alpha_rules_are_not_compared(tmp_path):
+    # a study written before --population-alpha existed reads as fixed: three of them still give the verdict
+    assert scale_analysis(_studies(tmp_path / "a", SHRINKS))["models"][0]["population_alpha"] == "fixed"
+    res = scale_analysis(_studies(tmp_path / "b", SHRINKS, alpha="scaled"))
+    assert res["verdict"] == "reproduced" and {m["population_alpha"] for m in res["models"]} == {"scaled"}
+    dirs = _studies(tmp_path / "c", {k: SHRINKS[k] for k in ("small", "mid")})
+    dirs.append(_study(tmp_path / "c", "large", *SHRINKS["large"], alpha="scaled"))
+    res = scale_analysis(dirs)
+    assert res["verdict"] == "unclear" and "different --population-alpha rules (fixed, scaled)" in res["reason"]
 
 
 def test_parameter_count_from_the_base_config_when_not_recorded(tmp_path):
