@@ -193,7 +193,7 @@ def population_checks(cfg, base_evals, evals_by_group, R) -> list[dict]:
         return checks
     ref = evals_by_group["es"]
     base1 = table_of(base_evals, "pass", 1)
-    scaled = getattr(cfg, "population_alpha", "fixed") == "scaled"
+    scaled = cfg.population_alpha == "scaled"
     at = " (α scaled by N)" if scaled else ""  # --population-alpha: named in every check it changes
     for n in cfg.population_sizes:
         evs = evals_by_group.get(f"es-n{n}")

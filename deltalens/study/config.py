@@ -20,7 +20,7 @@ from deltalens.training.tracking import normalize_report_to
 
 COMPUTE_DTYPES = ("auto", "fp32", "bf16")  # deltalens.generation.dtype.COMPUTE_DTYPES (that module needs torch)
 PAPER_TEMPERATURE = 0.6  # the paper's evaluation temperature: claim 1's verdict uses it when it is evaluated
-POPULATION_ALPHA = ("fixed", "scaled")  # --population-alpha: claims 6 and 7's extra ES runs keep the study's α, or scale it by N/N_ref
+POPULATION_ALPHA = ("fixed", "scaled")  # --population-alpha: the extra ES runs' α (`runs._es_variant`)
 
 
 def seeds_checks(seeds: tuple[int, ...]) -> list[tuple[bool, str]]:

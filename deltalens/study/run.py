@@ -247,10 +247,9 @@ def _check_study_file(cfg: StudyConfig, out: Path) -> None:
     """DIR/study.json pins what the runs depend on: a rerun may add seeds or methods, not change these."""
     pinned = ("model", "task", "budget", "preset", "chat_template")
     settings = {k: getattr(cfg, k) for k in pinned}
-    if cfg.es_options:  # pinned only when given, so studies pinned before the option existed still match
-        settings["es_settings"] = cfg.es_settings
-    if cfg.population_alpha != "fixed":  # likewise: pinned when not the default
-        settings["population_alpha"] = cfg.population_alpha
+    # options added later: pinned only when not their default, so studies pinned before them still match
+    later = {"es_settings": (cfg.es_settings, {}), "population_alpha": (cfg.population_alpha, "fixed")}
+    settings.update({k: v for k, (v, default) in later.items() if v != default})
     diff = pin_json(settings, out / "study.json")
     if diff:
         raise DeltalensError(f"{out} is a study with other settings ({', '.join(f'{k}: {a!r} vs {b!r}' for k, (a, b) in sorted(diff.items()))}); "
