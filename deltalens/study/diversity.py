@@ -35,9 +35,18 @@ def diversity_task(ctx: TaskContext, cfg: StudyConfig, label: str) -> dict:
     key = m.cache.key("study-diversity", run=m.hash(spec), iteration=it, members=cfg.diversity_members,
                       prompts=cfg.diversity_prompts, temperature=temperature, chat=cfg.chat_template)
     ctx.log(f"population diversity of {label} around iteration {it}")
+    bar = []  # opened at the first report, once the population is loaded and the total known
+
+    def progress(done, total, stage):
+        if ctx.progress is None:
+            return
+        if not bar:
+            bar.append(ctx.progress(f"diversity {label} (members sampled and scored, then the centre)", total))
+        bar[0](done)
+
     div = m.cache.get_or_compute(key, lambda: diversity_section(
         m.ref(spec), m.task, members=cfg.diversity_members, iteration=it, prompts=cfg.diversity_prompts,
-        samples=4, temperature=temperature, chat_template=cfg.chat_template), m.log)
+        samples=4, temperature=temperature, chat_template=cfg.chat_template, progress=progress), m.log)
     # the run and its checkpoint as the rest of the document names them: relative to DIR, not this machine's paths
     return {**div, **{k: Path(os.path.relpath(div[k], ctx.root)).as_posix()
                       for k in ("model", "centre") if isinstance(div.get(k), str)}}

@@ -172,7 +172,7 @@ class Measures:
 
         return self.cache.get_or_compute(key, compute, self.log)["pass1"]
 
-    def entropy(self, spec: str) -> list[float]:
+    def entropy(self, spec: str, label: str = "") -> list[float]:
         from deltalens.analysis.entropy import token_entropy
 
         cfg = self.cfg
@@ -183,9 +183,12 @@ class Measures:
         def compute():
             model, tok = self.model(spec)
             problems = self.task.test(cfg.entropy_prompts)
+            bar = self.progress_factory(f"entropy {label or spec} (sampled, then scored)", 2 * len(problems) * 4) \
+                if self.progress_factory else None
             return {"entropy": token_entropy(model, tok, problems, samples=4, temperature=temperature,
                                              max_new_tokens=self.task.max_new_tokens,
-                                             chat_template=cfg.chat_template)}
+                                             chat_template=cfg.chat_template,
+                                             progress=(lambda done, _total: bar(done)) if bar else None)}
 
         return self.cache.get_or_compute(key, compute, self.log)["entropy"]
 
@@ -255,4 +258,4 @@ def diff_task(ctx: TaskContext, cfg: StudyConfig) -> dict:
 
 def entropy_task(ctx: TaskContext, cfg: StudyConfig, label: str | None) -> dict:
     """Token entropy per prompt of the base or a run along its own samples."""
-    return {"entropy": measures_for(ctx, cfg).entropy(spec_of(ctx, cfg, label))}
+    return {"entropy": measures_for(ctx, cfg).entropy(spec_of(ctx, cfg, label), label or "base")}

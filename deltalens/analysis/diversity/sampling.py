@@ -52,12 +52,13 @@ def _cut(row: list[int], eos: int) -> tuple[int, ...]:
 @torch.no_grad()
 def sample_responses(model, tok, prompt_ids: list[list[int]], samples: int, *, temperature: float,
                      max_new_tokens: int, seed: int, batch_tokens: int = 262_144, max_batch: int = 4096,
-                     with_logprobs: bool = False):
+                     with_logprobs: bool = False, progress=None):
     """out[p][m]: token ids (tuple) of sample m for prompt p, from softmax(logits / T), EOS included.
 
     Batched like HFBackend (left padding, prompts grouped by length, KV cache); batch b is sampled after
     torch.manual_seed(seed + b). with_logprobs: also return lp[p][m], the log-probability generate's own
-    processed scores give the sample (a cross-check of `sequence_logprobs`).
+    processed scores give the sample (a cross-check of `sequence_logprobs`). progress(done): called with the
+    number of sequences sampled so far after each batch (of len(prompt_ids) x samples).
     """
     if temperature <= 0:
         raise DeltalensError(f"diversity needs sampling (temperature > 0, got {temperature}); "
@@ -67,6 +68,7 @@ def sample_responses(model, tok, prompt_ids: list[list[int]], samples: int, *, t
     lps: list[list[float]] = [[0.0] * samples for _ in prompt_ids]
     device = next(model.parameters()).device
     batches = length_batches([len(p) for p in prompt_ids], samples, max_new_tokens, batch_tokens, max_batch)
+    done = 0
     for b, chunk in enumerate(batches):
         ids, att = left_pad([prompt_ids[i] for i, _ in chunk], pad)  # (B, width), left padded
         width = ids.shape[1]
@@ -83,6 +85,9 @@ def sample_responses(model, tok, prompt_ids: list[list[int]], samples: int, *, t
             out[i][m] = _cut(seqs[r].tolist(), eos)
             if with_logprobs:
                 lps[i][m] = float(tok_lp[r, : len(out[i][m])].double().sum())
+        done += len(chunk)
+        if progress is not None:
+            progress(done)
     return (out, lps) if with_logprobs else out
 
 
@@ -93,14 +98,14 @@ def _vocab_size(model) -> int:
 @torch.no_grad()
 def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[int, tuple[int, ...]]],
                       temperature: float, *, entropy: bool = False, token_budget: int = 65_536,
-                      logit_budget: int = 1 << 26) -> dict:
+                      logit_budget: int = 1 << 26, progress=None) -> dict:
     """Teacher-forced log π_T(y | x) = Σ_t log softmax(logits_t / T)[y_t] over the response tokens
     (EOS included) of items[k] = (prompt index, response ids).
 
     Sequences (prompt + response, right padded) are sorted by length and batched under token_budget
     tokens and logit_budget floats of logits. Returns {"logp": (K,) float64}; with entropy also
     "entropy" / "entropy_t1" (K,): summed next-token entropies over the response positions at T and
-    at T = 1, and "tokens" (K,) the response lengths.
+    at T = 1, and "tokens" (K,) the response lengths. progress(done): items scored so far, after each batch.
     """
     n = len(items)
     vocab = _vocab_size(model)
@@ -140,6 +145,8 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[
             ent[idx] = (h.double() * resp).sum(1)
             ent1[idx] = (h1.double() * resp).sum(1)
         pos += len(batch)
+        if progress is not None:
+            progress(pos)
     out = {"logp": logp}
     if entropy:
         out.update(entropy=ent, entropy_t1=ent1, tokens=torch.tensor([len(y) for _, y in items]))
