@@ -18,7 +18,8 @@ parameter group, and the restore drift (how far the weights are from where they 
 members of an iteration were perturbed and restored, before the update). Hypothesis under test
 (arXiv 2608.27351's "ES's top changes sit in norm weights"): the bf16 restore drift and the correlated
 noise, not learning, put the norm weights on top. Writes <out>/10_arithmetic_replay.json; each
-arithmetic's result is kept in <out>/10_arithmetic_replay.parts/ as it finishes, and the same command reuses it.
+arithmetic's result is kept in <out>/10_arithmetic_replay.parts/ as it finishes, and the same command reuses it
+(with the same settings and the same code: `code_fingerprint`).
 
 `--norm-scale M` first reparametrizes the model, without changing its function, so that every RMSNorm
 weight vector has median |g| = M: each decoder layer's norm weight g is multiplied by c = M / median|g|
@@ -45,6 +46,24 @@ import _common as C
 
 ARITHMETICS = {"ours-fp32": ("deltalens", "fp32"), "ours-bf16": ("deltalens", "bf16"),
                "ref-fp32": ("reference", "fp32"), "ref-bf16": ("reference", "bf16")}
+
+
+def code_fingerprint() -> str:
+    """sha256 (16 hex digits) of the source that decides a replay's numbers: this script and the ES arithmetic
+    (engine, noise, reference, low-rank, config) and the diff. A kept part is reused only under the same code,
+    so a change to the arithmetic never mixes old and new results in one table."""
+    import hashlib
+
+    import deltalens.analysis.delta as delta
+    import deltalens.training.es as es
+
+    es_dir = Path(es.__file__).parent
+    files = [Path(__file__), Path(delta.__file__), *(es_dir / f"{m}.py" for m in
+                                                      ("engine", "noise", "reference", "lowrank", "config"))]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 # Which matrices read each RMSNorm's output (Llama / Qwen2 / SmolLM2 layout).
@@ -226,14 +245,17 @@ def main(argv=None) -> dict:
     # each arithmetic's result is kept as it finishes (a 1.5B model took 10-26 min per arithmetic and iteration):
     # the same command skips the ones done with the same settings
     key = {"model": args.model, "iterations": iterations, "population": population, "seed": seed,
-           "norm_scale": args.norm_scale}
+           "norm_scale": args.norm_scale, "code": code_fingerprint()}
     for name in chosen:
         arithmetic, dtype = ARITHMETICS[name]
         done = Path(args.out) / "10_arithmetic_replay.parts" / f"{name}.json"
-        if done.is_file() and json.loads(done.read_text()).get("key") == key:
+        kept = json.loads(done.read_text()) if done.is_file() else {}
+        if kept.get("key") == key:
             print(f"{name}: done before ({done}), reused", flush=True)
-            results[name] = json.loads(done.read_text())["result"]
+            results[name] = kept["result"]
             continue
+        if kept and kept.get("key", {}).get("code") != key["code"]:
+            print(f"{name}: kept part {done} is from other code, replayed anew", flush=True)
         print(f"{name}: {iterations} iterations x {population} members", flush=True)
         results[name] = replay(args.model, arithmetic, dtype, iterations, population, seed, args.norm_scale)
         done.parent.mkdir(parents=True, exist_ok=True)

@@ -111,6 +111,9 @@ def test_10_arithmetic_replay(dirs):
     sub = mod.main(["--quick", "--seeds", "0", "--out", str(dirs[1]), "--population", "2",
                     "--arithmetics", "ref-bf16,ours-fp32"])
     assert list(sub["results"]) == ["ref-bf16", "ours-fp32"] and len(calls) == 4  # both kept by the N = 2 run
+    mod.code_fingerprint = lambda: "other code"  # the arithmetic changed: nothing kept is reused
+    mod.main(["--quick", "--seeds", "0", "--out", str(dirs[1]), "--population", "2", "--arithmetics", "ours-fp32"])
+    assert len(calls) == 5
     with pytest.raises(SystemExit) as e:
         mod.main(["--quick", "--arithmetics", "ours-fp16"])
     assert e.value.code == 2
