@@ -54,8 +54,8 @@ def code_fingerprint() -> str:
     so a change to the arithmetic never mixes old and new results in one table."""
     import hashlib
 
-    import deltalens.analysis.delta as delta
-    import deltalens.training.es as es
+    from deltalens.analysis import delta
+    from deltalens.training import es
 
     es_dir = Path(es.__file__).parent
     files = [Path(__file__), Path(delta.__file__), *(es_dir / f"{m}.py" for m in
