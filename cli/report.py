@@ -20,17 +20,17 @@ __all__ = ["REPORT_LIMIT", "render", "report"]
 
 def render(
     analysis_json: Annotated[Path, typer.Argument(
-        help="analysis.json written by the deltalens analysis commands.", dir_okay=False)],
+        help="analysis.json written by the deltalens analysis commands (or a published analysis.json.gz).", dir_okay=False)],
     output: Annotated[Path | None, typer.Option(
         "--out", "-o", "--output", dir_okay=False,
         help="HTML file to write (default: the input path with the suffix .html) (--output: the old name)")] = None,
 ) -> None:
     """Render an analysis.json into one self-contained HTML report that opens offline."""
-    from deltalens.reports import render_file  # lazy: keeps `deltalens --help` fast
+    from deltalens.reports.render import default_html, render_file  # lazy: keeps `deltalens --help` fast
 
     from deltalens.io.outputs import Output, check_outputs
 
-    check_outputs([Output(output or analysis_json.with_suffix(".html"), "--out")], files=[analysis_json])
+    check_outputs([Output(output or default_html(analysis_json), "--out")], files=[analysis_json])
     path = render_file(analysis_json, output)
     typer.echo(str(path))
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DeltalensError
-from ..schema import SCHEMA_VERSION, check_version
+from ..schema import SCHEMA_VERSION, check_version, read_text
 from .common import Context, esc
 from .figures import BUILDERS, TEMPLATE, Figure
 from .tables import (
@@ -82,10 +82,10 @@ def validate(analysis: Any) -> dict:
 
 
 def load_analysis(path: str | os.PathLike) -> dict:
-    """Read and validate an analysis.json file."""
+    """Read and validate an analysis.json file (or a published analysis.json.gz)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path)
     except FileNotFoundError:
         raise DeltalensError(f"no such file: {path}") from None
     except IsADirectoryError:
@@ -370,15 +370,21 @@ def render_report(analysis: dict, out_path: str | os.PathLike) -> Path:
     return out
 
 
+def default_html(src: Path) -> Path:
+    """Where `render` writes by default: the input with suffix .html, a .json.gz losing both suffixes."""
+    return (src.with_suffix("") if src.suffix == ".gz" else src).with_suffix(".html")
+
+
 def render_file(analysis_json_path: str | os.PathLike, out_path: str | os.PathLike | None = None) -> Path:
-    """Render the analysis.json at `analysis_json_path`; default output: the same path with suffix .html."""
+    """Render the analysis.json at `analysis_json_path`; default output: the same path with suffix .html
+    (analysis.json.gz -> analysis.html)."""
     src = Path(analysis_json_path)
     analysis = load_analysis(src)
-    out = Path(out_path) if out_path is not None else src.with_suffix(".html")
+    out = Path(out_path) if out_path is not None else default_html(src)
     if out.resolve() == src.resolve():
         raise DeltalensError(f"output {out} would overwrite the analysis itself; choose another name")
     return render_report(analysis, out)
 
 
-__all__ = ["PLOTLY_BUNDLE_VERSION", "SCHEMA_VERSION", "SECTIONS", "build_html", "load_analysis", "render_file",
-           "render_report", "validate"]
+__all__ = ["PLOTLY_BUNDLE_VERSION", "SCHEMA_VERSION", "SECTIONS", "build_html", "default_html", "load_analysis",
+           "render_file", "render_report", "validate"]

@@ -29,6 +29,30 @@ def schema() -> dict:
 
 SCHEMA_VERSION: int = schema()["properties"]["schema_version"]["const"]
 
+# A published study's analysis.json is committed gzipped (docs/*-study-*/analysis.json.gz); readers take both.
+MAX_UNPACKED = 1 << 30  # bytes a .gz analysis may unpack to (the largest published one: 7.9 MB)
+
+
+def read_text(path) -> str:
+    """The text of an analysis.json, or of an analysis.json.gz (gzip, by its suffix), as UTF-8. OSError and
+    UnicodeDecodeError propagate as from `Path.read_text`; a bad gzip stream or one that unpacks to more than
+    MAX_UNPACKED bytes raises DeltalensError."""
+    import gzip
+    import zlib
+    from pathlib import Path
+
+    path = Path(path)
+    if path.suffix != ".gz":
+        return path.read_text(encoding="utf-8")
+    try:
+        with gzip.open(path, "rb") as f:
+            data = f.read(MAX_UNPACKED + 1)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DeltalensError(f"{path}: not a readable gzip file ({e})") from None
+    if len(data) > MAX_UNPACKED:
+        raise DeltalensError(f"{path}: unpacks to more than {MAX_UNPACKED:,} bytes; not an analysis")
+    return data.decode("utf-8")
+
 
 def new_document(base_path, models: list[dict], **sections) -> dict:
     """An analysis.json document: the header (schema_version, deltalens_version, created, base, models)

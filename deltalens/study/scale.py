@@ -39,6 +39,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from deltalens.errors import DeltalensError
+from deltalens.schema import read_text
 
 DEFAULT_FRACTION = 0.9  # "reaches": keeps this share of the reference ES run's Pass@1 gain
 MIN_SIZES = 3  # a trend needs at least three model sizes
@@ -57,15 +58,17 @@ def _finite(x) -> bool:
 
 
 def load_study(path) -> tuple[Path, dict]:
-    """(the study directory, its analysis.json) for STUDY_DIR (or its analysis.json); refused in one line
-    when missing, unreadable, not a study's, or without claim 6's population-size runs."""
+    """(the study directory, its analysis.json) for STUDY_DIR (or its analysis.json, or a published
+    analysis.json.gz, e.g. docs/tiny-study-2026-12-03/); refused in one line when missing, unreadable, not a
+    study's, or without claim 6's population-size runs."""
     p = Path(path)
-    f = p / "analysis.json" if p.is_dir() else p
+    f = next((p / n for n in ("analysis.json", "analysis.json.gz") if (p / n).is_file()), p / "analysis.json") \
+        if p.is_dir() else p
     d = p if p.is_dir() else p.parent
     if not f.is_file():
         raise DeltalensError(f"{path}: no analysis.json (give a finished study's directory)")
     try:
-        doc = json.loads(f.read_text(encoding="utf-8"))
+        doc = json.loads(read_text(f))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DeltalensError(f"{f}: not readable as JSON ({e})") from None
     study = doc.get("study") if isinstance(doc, dict) else None

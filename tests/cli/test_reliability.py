@@ -372,6 +372,31 @@ def test_render_refuses_hostile_json_in_one_line(tmp_path):
     assert not (tmp_path / "d.html").exists() and not (tmp_path / "b.html").exists()
 
 
+def test_render_reads_a_published_gzipped_analysis(tmp_path, monkeypatch):
+    """A published study's analysis.json.gz renders as its .json does (default output: analysis.html beside it);
+    a broken or oversized gzip stream is refused in one line."""
+    import gzip
+
+    from deltalens import schema
+
+    src = Path(__file__).parents[1] / "fixtures" / "analysis_full.json"
+    gz = tmp_path / "pub" / "analysis.json.gz"
+    gz.parent.mkdir()
+    gz.write_bytes(gzip.compress(src.read_bytes()))
+    shutil.copy(src, tmp_path / "analysis.json")
+    for args in (["render", gz], ["render", tmp_path / "analysis.json", "-o", tmp_path / "plain.html"]):
+        r = run_cli(args)
+        assert r.exit_code == 0, r.output
+    html = (tmp_path / "pub" / "analysis.html").read_text()
+    assert len(html) > 10_000 and html == (tmp_path / "plain.html").read_text()
+    bad = tmp_path / "bad.json.gz"
+    bad.write_bytes(b"not gzip at all")
+    refused(["render", bad, "-o", tmp_path / "x.html"], match="not a readable gzip file", inputs=[bad])
+    monkeypatch.setattr(schema, "MAX_UNPACKED", 1000)
+    refused(["render", gz, "-o", tmp_path / "y.html"], match="unpacks to more than 1,000 bytes", inputs=[gz])
+    assert not (tmp_path / "x.html").exists() and not (tmp_path / "y.html").exists()
+
+
 def test_resume_cleans_temporaries_of_a_killed_writer(es_run, tmp_path):
     run = _copy_run(es_run, tmp_path)
     (run / "checkpoints" / "final.tmp-0123abcd").mkdir()

@@ -177,3 +177,15 @@ def test_cli_refuses_in_one_line_and_overwrites_nothing(tmp_path):
     out = tmp_path / "x.json"
     r = _cli([*dirs, bare, "--json", out])
     assert r.exit_code == 2 and not out.exists()  # refused before anything is written
+
+
+def test_reads_the_published_tiny_study_from_its_gzipped_analysis():
+    """docs/tiny-study-2026-12-03/ holds analysis.json.gz only: read as published, it gives what
+    docs/reproduction.md states (N needed 32, interval [8, 32]; one model size, so the verdict is unclear)."""
+    d = Path(__file__).parents[2] / "docs" / "tiny-study-2026-12-03"
+    assert (d / "analysis.json.gz").is_file() and not (d / "analysis.json").exists()
+    r = scale_analysis([d])
+    [m] = r["models"]
+    assert (m["reference_population"], m["n_needed"], m["n_low"], m["n_high"]) == (32, 32, 8, 32)
+    assert m["params"] == 763_776 and m["population_alpha"] == "fixed"
+    assert r["verdict"] == "unclear"
