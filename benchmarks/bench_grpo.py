@@ -15,7 +15,8 @@ directory (no held-out evaluation, no checkpoint but the final one). Per run: ev
 timed around the call), the mean completion length TRL logged, and the rewards. The summary takes the
 median over steps 2.. (step 1 also loads the KL reference). `speedup_vs_first` is the first configuration's
 median step (and rollout) time over this one's, and this one's peak over the first's: ratios measured side by
-side in one invocation. Runs before 2026-12-06 put every dtype in one process (no peak per run).
+side in one invocation. Runs before 2026-12-06 put every dtype in one process (no peak per run). A child
+that fails (e.g. killed for memory) is recorded as {"failed": why}, and the other configurations still run.
 """
 
 from __future__ import annotations
@@ -92,8 +93,13 @@ def run_child(a: argparse.Namespace, compute_dtype: str, micro: int | None) -> d
         cmd = [sys.executable, __file__, "--one", str(out), "--model", a.model, "--preset", a.preset, "--steps",
                str(a.steps), "--compute-dtype", compute_dtype, "--seed", str(a.seed),
                "--micro-batch", "all" if micro is None else str(micro), *(["--task", a.task] if a.task else [])]
-        subprocess.run(cmd, check=True)
-        return json.loads(out.read_text())
+        rc = subprocess.run(cmd, check=False).returncode
+        if rc == 0:
+            return json.loads(out.read_text())
+        # e.g. killed for memory (-9): recorded, and the other configurations still run
+        why = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+        print(f"bench_grpo: {compute_dtype}, micro-batch {micro or 'all'}: the child failed ({why})", file=sys.stderr)
+        return {"compute_dtype": compute_dtype, "micro_batch": micro or "all", "failed": why}
 
 
 def main() -> None:
@@ -128,6 +134,8 @@ def main() -> None:
     results = [run_child(a, d, m) for d in a.compute_dtype.split(",") for m in micros]
     first = results[0]
     for r in results:
+        if "failed" in r or "failed" in first:
+            continue  # no ratio against or of a configuration that did not finish
         r["speedup_vs_first"] = {"step": round(first["median_step_s"] / r["median_step_s"], 3),
                                  "rollout": round(first["median_rollout_s"] / r["median_rollout_s"], 3),
                                  "peak_rss": round(r["peak_rss_kb"] / first["peak_rss_kb"], 3)}
