@@ -82,6 +82,8 @@ def test_presets_and_roundtrip():
     assert tiny.prompts_per_step == 8 and tiny.num_generations == 8 and tiny.learning_rate > 1e-6
     assert tiny.loss_type == "grpo" and tiny.beta == 0.001  # only scale-related settings change
     assert GRPOConfig.preset("paper") == GRPOConfig()
+    smol = GRPOConfig.preset("smollm2")  # micro-batches for memory: 4 x 8 completions, 8 per backward
+    assert (smol.completions_per_step, smol.micro_batch_size) == (32, 8)
     d = tiny.to_dict()
     assert d["method"] == "grpo"
     assert GRPOConfig.from_dict({**d, "deltalens_version": "x"}) == tiny
@@ -167,6 +169,21 @@ def test_grpo_steps_change_weights_and_write_the_run_format(tmp_path):
     assert model.config.use_cache is not False
     assert max_weight_diff(_weights(out), _weights(cfg.model)) > 1e-4  # GRPO moved the weights
     assert max_weight_diff(_weights(ck / "iter-000002"), _weights(out)) > 0
+
+
+def test_micro_batches_take_the_same_step(tmp_path):
+    """--micro-batch k back-props P·G completions k at a time (gradient accumulation) and takes the same step:
+    the same completions (one generation per step), the same update up to float rounding (the mean over
+    sequences is the mean of equal-size micro-batch means). The smollm2/qwen2.5 presets use it for memory."""
+    base = _weights(tiny_spec())
+    runs = {m: train_grpo(fast(steps=1, save_every=0, micro_batch_size=m), tmp_path / f"m{m}") for m in (None, 4)}
+    rows = {m: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1] for m, out in runs.items()}
+    assert rows[None]["reward_mean"] == rows[4]["reward_mean"] and rows[None]["completion_length"] == rows[4][
+        "completion_length"]
+    d_all, d_micro = ({k: w[k] - base[k] for k in base} for w in (_weights(runs[None]), _weights(runs[4])))
+    norm = sum(float(v.pow(2).sum()) for v in d_all.values()) ** 0.5
+    gap = sum(float((d_all[k] - d_micro[k]).pow(2).sum()) for k in base) ** 0.5
+    assert norm > 1e-3 and gap < 1e-4 * norm, (norm, gap)  # measured: gap 4.6e-6 of norm 0.87
 
 
 def test_init_from_starts_from_given_weights(tmp_path):
