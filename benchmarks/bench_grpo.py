@@ -16,12 +16,15 @@ timed around the call), the mean completion length TRL logged, and the rewards. 
 median over steps 2.. (step 1 also loads the KL reference). `speedup_vs_first` is the first configuration's
 median step (and rollout) time over this one's, and this one's peak over the first's: ratios measured side by
 side in one invocation. Runs before 2026-12-06 put every dtype in one process (no peak per run). A child
-that fails (e.g. killed for memory) is recorded as {"failed": why}, and the other configurations still run.
+that fails (e.g. killed for memory) is recorded as {"failed": why}, the other configurations still run, and
+the script exits 1. `--micro-batch all` means all P·G completions at once, also for a preset with a
+`max_micro_batch` cap (the smollm2 preset's 8, which `--micro-batch 8` measures).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task: str | None = None,
-        micro_batch: int | None = None) -> dict:
+        micro_batch: int | None = None, work: Path | None = None) -> dict:
     import deltalens.training.grpo.train as grpo
     from deltalens.training.grpo.config import GRPOConfig
 
@@ -56,12 +59,12 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task
         return Timed
 
     cfg = GRPOConfig.preset(preset, model=model, steps=steps, eval_every=0, save_every=0, seed=seed,
-                            compute_dtype=compute_dtype, micro_batch_size=micro_batch,
+                            compute_dtype=compute_dtype, micro_batch_size=micro_batch, max_micro_batch=None,
                             **({"task": task} if task else {}))
     grpo._trainer_class = timed_class
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            t0 = time.perf_counter()
+        with (contextlib.nullcontext(work) if work is not None else tempfile.TemporaryDirectory()) as tmp:
+            t0 = time.perf_counter()  # `work`: the parent's temporary directory, removed even if this child is killed
             out = grpo.train_grpo(cfg, Path(tmp) / "run")
             wall = time.perf_counter() - t0
             rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -90,7 +93,8 @@ def run_child(a: argparse.Namespace, compute_dtype: str, micro: int | None) -> d
     """One configuration in a fresh interpreter (its own peak memory), its result read back as JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "one.json"
-        cmd = [sys.executable, __file__, "--one", str(out), "--model", a.model, "--preset", a.preset, "--steps",
+        cmd = [sys.executable, __file__, "--one", str(out), "--work", tmp, "--model", a.model, "--preset", a.preset,
+               "--steps",
                str(a.steps), "--compute-dtype", compute_dtype, "--seed", str(a.seed),
                "--micro-batch", "all" if micro is None else str(micro), *(["--task", a.task] if a.task else [])]
         rc = subprocess.run(cmd, check=False).returncode
@@ -98,8 +102,9 @@ def run_child(a: argparse.Namespace, compute_dtype: str, micro: int | None) -> d
             return json.loads(out.read_text())
         # e.g. killed for memory (-9): recorded, and the other configurations still run
         why = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
-        print(f"bench_grpo: {compute_dtype}, micro-batch {micro or 'all'}: the child failed ({why})", file=sys.stderr)
-        return {"compute_dtype": compute_dtype, "micro_batch": micro or "all", "failed": why}
+        label = "all" if micro is None else micro
+        print(f"bench_grpo: {compute_dtype}, micro-batch {label}: the child failed ({why})", file=sys.stderr)
+        return {"compute_dtype": compute_dtype, "micro_batch": label, "failed": why}
 
 
 def main() -> None:
@@ -112,9 +117,10 @@ def main() -> None:
     ap.add_argument("--task", default=None, help="task spec (default: GRPOConfig's, arith; e.g. SmolLM2's own "
                     "add:digits=1-2,terms=2,shots=2)")
     ap.add_argument("--micro-batch", default="all", help="comma-separated completions per forward/backward, "
-                    "'all' = P·G at once (the default)")
+                    "'all' = P·G at once (the default; the smollm2 preset's own cap, 8, is not applied)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)  # a child: one configuration
+    ap.add_argument("--work", type=Path, default=None, help=argparse.SUPPRESS)  # the child's run directory's parent
     a = ap.parse_args()
     micros = [None if m.strip() == "all" else int(m) for m in a.micro_batch.split(",")]
 
@@ -127,7 +133,7 @@ def main() -> None:
     from deltalens.generation.dtype import cpu_flags
 
     if a.one is not None:
-        res = run(a.model, a.preset, a.steps, a.compute_dtype, a.seed, a.task, micros[0])
+        res = run(a.model, a.preset, a.steps, a.compute_dtype, a.seed, a.task, micros[0], a.work)
         res["malloc"] = malloc
         a.one.write_text(json.dumps(res))
         return
@@ -149,6 +155,8 @@ def main() -> None:
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text + "\n")
+    if any("failed" in r for r in results):
+        sys.exit(1)  # recorded above, but not a clean measurement
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def render(
         help="analysis.json written by the deltalens analysis commands (or a published analysis.json.gz).", dir_okay=False)],
     output: Annotated[Path | None, typer.Option(
         "--out", "-o", "--output", dir_okay=False,
-        help="HTML file to write (default: the input path with the suffix .html) (--output: the old name)")] = None,
+        help="HTML file to write (default: the input path with the suffix .html; analysis.json.gz -> analysis.html) (--output: the old name)")] = None,
 ) -> None:
     """Render an analysis.json into one self-contained HTML report that opens offline."""
     from deltalens.reports.render import default_html, render_file  # lazy: keeps `deltalens --help` fast

@@ -172,8 +172,9 @@ def show_scale(res: dict, console=None) -> None:
 
 
 def study_scale(
-    studies: Annotated[list[Path], typer.Argument(metavar="STUDY_DIR", help="finished study directories (each with analysis.json and "
-                                                       "--population-sizes runs), one per model size")],
+    studies: Annotated[list[Path], typer.Argument(metavar="STUDY_DIR", help="finished study directories (each with analysis.json, "
+                                                       "or a published analysis.json.gz, and --population-sizes "
+                                                       "runs), one per model size")],
     fraction: Annotated[float, typer.Option("--fraction", help="share of the reference ES run's Pass@1 gain an N "
                                             "must keep to count as enough (0 < F <= 1)")] = 0.9,
     json_out: Annotated[Path | None, typer.Option("--json", dir_okay=False, help="also write the result as JSON "
@@ -181,11 +182,15 @@ def study_scale(
 ) -> None:
     """Claim 6 across model sizes: per model, the smallest population N that keeps --fraction of the reference ES
     run's Pass@1 gain (with its interval), and whether that N shrinks with model scale (3+ sizes)."""
+    from deltalens.errors import DeltalensError
     from deltalens.io.atomic import write_json_atomic
     from deltalens.io.outputs import Output, check_outputs
-    from deltalens.study.scale import scale_analysis
+    from deltalens.study.scale import ANALYSIS_NAMES, scale_analysis, study_file
 
-    check_outputs([Output(json_out, "--json")], files=[p / "analysis.json" if p.is_dir() else p for p in studies])
+    if json_out is not None and json_out.name in ANALYSIS_NAMES and any(
+            p.is_dir() and json_out.resolve().parent == p.resolve() for p in studies):
+        raise DeltalensError(f"--json {json_out} would replace or shadow a study's own analysis; choose another name")
+    check_outputs([Output(json_out, "--json")], files=[study_file(p) for p in studies])
     res = scale_analysis(studies, fraction)
     if json_out is not None:
         write_json_atomic(res, json_out)

@@ -49,20 +49,21 @@ ARITHMETICS = {"ours-fp32": ("deltalens", "fp32"), "ours-bf16": ("deltalens", "b
 
 
 def code_fingerprint() -> str:
-    """sha256 (16 hex digits) of the source that decides a replay's numbers: this script and the ES arithmetic
-    (engine, noise, reference, low-rank, config) and the diff. A kept part is reused only under the same code,
-    so a change to the arithmetic never mixes old and new results in one table."""
+    """sha256 (16 hex digits) of the source that decides a replay's numbers: this script, every module of the ES
+    package (noise, seeds, perturb/restore, update), the bf16 copy's rules, model loading and the diff. A kept
+    part is reused only under the same code, so a change there never mixes old and new results in one table."""
     import hashlib
 
-    from deltalens.analysis import delta
+    import deltalens
     from deltalens.training import es
 
-    es_dir = Path(es.__file__).parent
-    files = [Path(__file__), Path(delta.__file__), *(es_dir / f"{m}.py" for m in
-                                                      ("engine", "noise", "reference", "lowrank", "config"))]
+    root = Path(deltalens.__file__).parent
+    files = [Path(__file__), *sorted(Path(es.__file__).parent.glob("*.py")),
+             *(root / f for f in ("analysis/delta.py", "generation/dtype.py", "io/models.py"))]
     h = hashlib.sha256()
     for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+        h.update(f.relative_to(root).as_posix().encode() if f.is_relative_to(root) else f.name.encode())
+        h.update(b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -250,6 +251,7 @@ def main(argv=None) -> dict:
         arithmetic, dtype = ARITHMETICS[name]
         done = Path(args.out) / "10_arithmetic_replay.parts" / f"{name}.json"
         kept = json.loads(done.read_text()) if done.is_file() else {}
+        kept = kept if isinstance(kept, dict) and isinstance(kept.get("key"), dict) else {}
         if kept.get("key") == key:
             print(f"{name}: done before ({done}), reused", flush=True)
             results[name] = kept["result"]

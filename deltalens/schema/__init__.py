@@ -30,7 +30,7 @@ def schema() -> dict:
 SCHEMA_VERSION: int = schema()["properties"]["schema_version"]["const"]
 
 # A published study's analysis.json is committed gzipped (docs/*-study-*/analysis.json.gz); readers take both.
-MAX_UNPACKED = 1 << 30  # bytes a .gz analysis may unpack to (the largest published one: 7.9 MB)
+MAX_UNPACKED = 1 << 28  # bytes a .gz analysis may unpack to (256 MiB; the largest published one: 7.9 MB)
 
 
 def read_text(path) -> str:

@@ -57,16 +57,27 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def load_study(path) -> tuple[Path, dict]:
-    """(the study directory, its analysis.json) for STUDY_DIR (or its analysis.json, or a published
-    analysis.json.gz, e.g. docs/tiny-study-2026-12-03/); refused in one line when missing, unreadable, not a
-    study's, or without claim 6's population-size runs."""
+ANALYSIS_NAMES = ("analysis.json", "analysis.json.gz")  # what a study writes; what docs/ publishes
+
+
+def study_file(path) -> Path:
+    """The analysis file of STUDY_DIR: its analysis.json, else a published analysis.json.gz (e.g.
+    docs/tiny-study-2026-12-03/); a file path is itself."""
     p = Path(path)
-    f = next((p / n for n in ("analysis.json", "analysis.json.gz") if (p / n).is_file()), p / "analysis.json") \
-        if p.is_dir() else p
+    if not p.is_dir():
+        return p
+    return next((p / n for n in ANALYSIS_NAMES if (p / n).is_file()), p / ANALYSIS_NAMES[0])
+
+
+def load_study(path) -> tuple[Path, dict]:
+    """(the study directory, its analysis.json) for STUDY_DIR (or its analysis.json, or `study_file`'s
+    analysis.json.gz); refused in one line when missing, unreadable, not a study's, or without claim 6's
+    population-size runs."""
+    p = Path(path)
+    f = study_file(p)
     d = p if p.is_dir() else p.parent
     if not f.is_file():
-        raise DeltalensError(f"{path}: no analysis.json (give a finished study's directory)")
+        raise DeltalensError(f"{path}: no analysis.json or analysis.json.gz (give a finished study's directory)")
     try:
         doc = json.loads(read_text(f))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

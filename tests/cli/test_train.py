@@ -77,6 +77,7 @@ GRPO_TABLE = {
     "top_p": (["--top-p", "0.9"], 0.9),
     "max_new_tokens": (["--max-new-tokens", "20"], 20),
     "micro_batch_size": (["--micro-batch", "8"], 8),
+    "max_micro_batch": (["--max-micro-batch", "4"], 4),
     "max_grad_norm": (["--max-grad-norm", "0.5"], 0.5),
     "weight_decay": (["--weight-decay", "0.01"], 0.01),
     "dtype": (["--dtype", "bf16"], "bf16"),

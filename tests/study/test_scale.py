@@ -165,7 +165,7 @@ def test_cli_refuses_in_one_line_and_overwrites_nothing(tmp_path):
     assert r.exit_code == 2 and f"error: {bare}: the study has no population-size runs (claim 6)" in r.output
     assert "--population-sizes 4,8,16" in r.output and len(r.output.strip().splitlines()) == 1
     r = _cli([tmp_path / "nowhere"])
-    assert r.exit_code == 2 and "no analysis.json" in r.output
+    assert r.exit_code == 2 and "no analysis.json or analysis.json.gz" in r.output
     same = _study(tmp_path, "same", SHRINKS["small"][0], SHRINKS["mid"][1])
     r = _cli([dirs[0], same])
     assert r.exit_code == 2 and "have the same parameter count" in r.output
@@ -189,3 +189,22 @@ def test_reads_the_published_tiny_study_from_its_gzipped_analysis():
     assert (m["reference_population"], m["n_needed"], m["n_low"], m["n_high"]) == (32, 32, 8, 32)
     assert m["params"] == 763_776 and m["population_alpha"] == "fixed"
     assert r["verdict"] == "unclear"
+
+
+def test_cli_never_replaces_or_shadows_a_published_gzipped_analysis(tmp_path):
+    """A study directory holding only analysis.json.gz (as docs/ publishes): --json may not write over it, nor
+    an analysis.json beside it (which later reads would take instead)."""
+    import gzip
+
+    dirs = _studies(tmp_path, SHRINKS)
+    for d in dirs:
+        (d / "analysis.json.gz").write_bytes(gzip.compress((d / "analysis.json").read_bytes()))
+        (d / "analysis.json").unlink()
+    before = {d: (d / "analysis.json.gz").read_bytes() for d in dirs}
+    r = _cli(dirs)
+    assert r.exit_code == 0 and "reproduced" in r.output, r.output  # read from the .gz files
+    for target in (dirs[0] / "analysis.json.gz", dirs[1] / "analysis.json"):
+        r = _cli([*dirs, "--json", target])
+        assert r.exit_code == 2 and "error:" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert {d: (d / "analysis.json.gz").read_bytes() for d in dirs} == before
+    assert not any((d / "analysis.json").exists() for d in dirs)

@@ -27,10 +27,10 @@ SCALE_REWARDS = ("group", "batch", "none")
 DEFAULT_STEPS = 100
 
 
-# the `smollm2` GRPO preset (see GRPOConfig.PRESETS), which `qwen2.5` reuses unchecked; micro-batches of 8
-# (since 2026-12-06): the same step up to float rounding, peak RSS 10.3 GB against 21.9 GB with all 32
+# the `smollm2` GRPO preset (see GRPOConfig.PRESETS), which `qwen2.5` reuses unchecked; micro-batches of at
+# most 8 (since 2026-12-06): the same step up to float rounding, peak RSS 10.3 GB against 21.9 GB with all 32
 # completions back-propped at once, at the same step time (benchmarks/README.md, "bench_grpo.py")
-SMOLLM2_PRESET = {"learning_rate": 1e-5, "prompts_per_step": 4, "num_generations": 8, "micro_batch_size": 8,
+SMOLLM2_PRESET = {"learning_rate": 1e-5, "prompts_per_step": 4, "num_generations": 8, "max_micro_batch": 8,
                   "eval_every": 10, "eval_limit": 100, "save_every": 10}
 
 
@@ -74,6 +74,11 @@ class GRPOConfig(Config):
     max_new_tokens: int | None = option(None, "completion length limit (default: the task's)", trajectory=True)
     micro_batch_size: int | None = option(None, "completions per forward/backward (default: all P·G at once); "
                                           "must divide P·G", flags=("--micro-batch",), trajectory=True)
+    max_micro_batch: int | None = option(None, "without --micro-batch: at most this many completions per "
+                                         "forward/backward, the largest divisor of P·G / processes not above it "
+                                         "(memory; the smollm2 and qwen2.5 presets: 8); not applied with loss_type "
+                                         "bnpo, whose per-micro-batch token mean would change the step",
+                                         needs=("micro_batch_size", (None,)), trajectory=True)
     max_grad_norm: float = option(1.0, "gradient clipping (0 = off)", trajectory=True)
     weight_decay: float = option(0.0, "AdamW weight decay", trajectory=True)
     dtype: str = option("fp32", "weight dtype: fp32, bf16 (bf16 weights + autocast) or fp16 (fp32 master + "
@@ -155,6 +160,8 @@ class GRPOConfig(Config):
             (self.micro_batch_size is None or (self.micro_batch_size >= 1 and total % self.micro_batch_size == 0),
              (f"micro_batch_size ({self.micro_batch_size}) must divide prompts_per_step x num_generations ({total}); "
               "set --micro-batch to a divisor")),
+            (self.max_micro_batch is None or self.max_micro_batch >= 1,
+             f"max_micro_batch must be >= 1 or unset (got {self.max_micro_batch})"),
             (finite(self.max_grad_norm) and self.max_grad_norm >= 0,
              f"max_grad_norm must be >= 0 (got {self.max_grad_norm})"),
             (finite(self.weight_decay) and self.weight_decay >= 0, f"weight_decay must be >= 0 (got {self.weight_decay})"),

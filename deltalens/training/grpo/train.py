@@ -189,6 +189,9 @@ def batching(config: GRPOConfig, world_size: int | None = None) -> tuple[int, in
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     total = config.completions_per_step
     micro = config.micro_batch_size or total // world
+    cap = config.max_micro_batch if config.loss_type != "bnpo" else None  # bnpo: token mean per micro-batch
+    if config.micro_batch_size is None and cap and micro > cap and total % world == 0:
+        micro = max(d for d in range(1, cap + 1) if micro % d == 0)  # the largest divisor of P·G / world <= cap
     if micro < 1 or total % (micro * world):
         raise DeltalensError(f"prompts_per_step x num_generations ({total}) must be a multiple of micro_batch_size "
                              f"({micro}) x processes ({world}); change --micro-batch or --prompts")

@@ -82,8 +82,8 @@ def test_presets_and_roundtrip():
     assert tiny.prompts_per_step == 8 and tiny.num_generations == 8 and tiny.learning_rate > 1e-6
     assert tiny.loss_type == "grpo" and tiny.beta == 0.001  # only scale-related settings change
     assert GRPOConfig.preset("paper") == GRPOConfig()
-    smol = GRPOConfig.preset("smollm2")  # micro-batches for memory: 4 x 8 completions, 8 per backward
-    assert (smol.completions_per_step, smol.micro_batch_size) == (32, 8)
+    smol = GRPOConfig.preset("smollm2")  # micro-batches for memory: 4 x 8 completions, at most 8 per backward
+    assert (smol.completions_per_step, smol.micro_batch_size, smol.max_micro_batch) == (32, None, 8)
     d = tiny.to_dict()
     assert d["method"] == "grpo"
     assert GRPOConfig.from_dict({**d, "deltalens_version": "x"}) == tiny
@@ -184,6 +184,29 @@ def test_micro_batches_take_the_same_step(tmp_path):
     norm = sum(float(v.pow(2).sum()) for v in d_all.values()) ** 0.5
     gap = sum(float((d_all[k] - d_micro[k]).pow(2).sum()) for k in base) ** 0.5
     assert norm > 1e-3 and gap < 1e-4 * norm, (norm, gap)  # measured: gap 4.6e-6 of norm 0.87
+
+
+def test_the_micro_batch_cap_takes_the_largest_divisor():
+    """max_micro_batch (the smollm2/qwen2.5 presets' 8) never makes a valid P x G invalid: it takes the largest
+    divisor of P·G / processes not above it; --micro-batch wins (both given explicitly is refused); bnpo, whose
+    token mean is per micro-batch, is left at all completions at once."""
+    from deltalens.training.grpo.train import batching
+
+    def b(world=1, **kw):
+        return batching(GRPOConfig.resolve(preset="smollm2", given=kw), world)
+
+    assert b() == (8, 4)  # 32 completions
+    assert b(prompts_per_step=3, num_generations=4) == (6, 2)  # 12: no multiple of 8 needed
+    assert b(prompts_per_step=1, num_generations=4) == (4, 1)
+    assert b(prompts_per_step=3, num_generations=6) == (6, 3)  # 18
+    assert b(world=8) == (4, 1) and b(world=16) == (2, 1)  # multi-process: 32 / world each
+    assert b(micro_batch_size=16) == (16, 2)
+    assert b(loss_type="bnpo") == (32, 1)
+    assert batching(GRPOConfig.preset("tiny"), 1) == (64, 1)  # no cap: all at once
+    with pytest.raises(DeltalensError, match="--max-micro-batch is only used when --micro-batch-size is None"):
+        GRPOConfig.resolve(preset="smollm2", given={"micro_batch_size": 16, "max_micro_batch": 4})
+    with pytest.raises(DeltalensError, match="max_micro_batch must be >= 1"):
+        GRPOConfig(max_micro_batch=0)
 
 
 def test_init_from_starts_from_given_weights(tmp_path):
