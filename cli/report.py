@@ -26,7 +26,7 @@ def render(
         help="HTML file to write (default: the input path with the suffix .html; analysis.json.gz -> analysis.html) (--output: the old name)")] = None,
 ) -> None:
     """Render an analysis.json into one self-contained HTML report that opens offline."""
-    from deltalens.reports.render import default_html, render_file  # lazy: keeps `deltalens --help` fast
+    from deltalens.reports import default_html, render_file  # lazy: keeps `deltalens --help` fast
 
     from deltalens.io.outputs import Output, check_outputs
 
