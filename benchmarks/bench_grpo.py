@@ -94,8 +94,7 @@ def run_child(a: argparse.Namespace, compute_dtype: str, micro: int | None) -> d
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "one.json"
         cmd = [sys.executable, __file__, "--one", str(out), "--work", tmp, "--model", a.model, "--preset", a.preset,
-               "--steps",
-               str(a.steps), "--compute-dtype", compute_dtype, "--seed", str(a.seed),
+               "--steps", str(a.steps), "--compute-dtype", compute_dtype, "--seed", str(a.seed),
                "--micro-batch", "all" if micro is None else str(micro), *(["--task", a.task] if a.task else [])]
         rc = subprocess.run(cmd, check=False).returncode
         if rc == 0:

@@ -256,7 +256,7 @@ def main(argv=None) -> dict:
             print(f"{name}: done before ({done}), reused", flush=True)
             results[name] = kept["result"]
             continue
-        if kept and kept.get("key", {}).get("code") != key["code"]:
+        if kept and kept["key"].get("code") != key["code"]:
             print(f"{name}: kept part {done} is from other code, replayed anew", flush=True)
         print(f"{name}: {iterations} iterations x {population} members", flush=True)
         results[name] = replay(args.model, arithmetic, dtype, iterations, population, seed, args.norm_scale)

@@ -6,6 +6,14 @@
 This package reads only JSON: it must never import torch, nor any deltalens module that does.
 """
 
-from .render import SCHEMA_VERSION, SECTIONS, build_html, default_html, load_analysis, render_file, render_report
+from .render import (
+    SCHEMA_VERSION,
+    SECTIONS,
+    build_html,
+    default_html,
+    load_analysis,
+    render_file,
+    render_report,
+)
 
 __all__ = ["SCHEMA_VERSION", "SECTIONS", "build_html", "default_html", "load_analysis", "render_file", "render_report"]

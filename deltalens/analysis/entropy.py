@@ -21,13 +21,13 @@ def token_entropy(model, tok, problems, *, samples: int = 4, temperature: float 
                   progress=None) -> list[float]:
     """Per problem: the mean next-token entropy (nats) at `temperature` along `samples` own samples.
 
-    progress(done, total): sequences sampled, then scored (total = 2 x problems x samples)."""
+    progress(done): sequences sampled, then scored, out of 2 x problems x samples."""
     prompt_ids = problem_ids(tok, problems, chat_template)
     n = len(problems) * samples
-    tell = (lambda base: (lambda done: progress(base + done, 2 * n))) if progress is not None else (lambda base: None)
     resp = sample_responses(model, tok, prompt_ids, samples, temperature=temperature, max_new_tokens=max_new_tokens,
-                            seed=_seed(seed, "entropy"), progress=tell(0))
+                            seed=_seed(seed, "entropy"), progress=progress)
     items = [(p, y) for p in range(len(problems)) for y in resp[p]]
-    sc = sequence_logprobs(model, prompt_ids, items, temperature, entropy=True, progress=tell(n))
+    sc = sequence_logprobs(model, prompt_ids, items, temperature, entropy=True,
+                           progress=None if progress is None else (lambda k: progress(n + k)))
     ent, tokens = sc["entropy"].view(len(problems), samples), sc["tokens"].view(len(problems), samples)
     return (ent.sum(1) / tokens.sum(1).clamp(min=1)).tolist()

@@ -11,9 +11,12 @@ Torch-free and dependency-light: `deltalens.reports` imports this module and `de
 from __future__ import annotations
 
 import datetime
+import gzip
 import json
+import zlib
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 
 from deltalens import __version__
 from deltalens.errors import DeltalensError
@@ -37,10 +40,6 @@ def read_text(path) -> str:
     """The text of an analysis.json, or of an analysis.json.gz (gzip, by its suffix), as UTF-8. OSError and
     UnicodeDecodeError propagate as from `Path.read_text`; a bad gzip stream or one that unpacks to more than
     MAX_UNPACKED bytes raises DeltalensError."""
-    import gzip
-    import zlib
-    from pathlib import Path
-
     path = Path(path)
     if path.suffix != ".gz":
         return path.read_text(encoding="utf-8")

@@ -182,13 +182,12 @@ class Measures:
 
         def compute():
             model, tok = self.model(spec)
-            problems = self.task.test(cfg.entropy_prompts)
-            bar = self.progress_factory(f"entropy {label or spec} (sampled, then scored)", 2 * len(problems) * 4) \
-                if self.progress_factory else None
-            return {"entropy": token_entropy(model, tok, problems, samples=4, temperature=temperature,
+            problems, samples = self.task.test(cfg.entropy_prompts), 4
+            bar = self.progress_factory(f"entropy {label or spec} (sampled, then scored)",
+                                        2 * len(problems) * samples) if self.progress_factory else None
+            return {"entropy": token_entropy(model, tok, problems, samples=samples, temperature=temperature,
                                              max_new_tokens=self.task.max_new_tokens,
-                                             chat_template=cfg.chat_template,
-                                             progress=(lambda done, _total: bar(done)) if bar else None)}
+                                             chat_template=cfg.chat_template, progress=bar)}
 
         return self.cache.get_or_compute(key, compute, self.log)["entropy"]
 
