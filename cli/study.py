@@ -187,10 +187,12 @@ def study_scale(
     from deltalens.io.outputs import Output, check_outputs
     from deltalens.study.scale import ANALYSIS_NAMES, scale_analysis, study_file
 
+    # The guard first: it names the input an existing path would overwrite. Then the names it cannot see: an
+    # analysis.json written beside a study's analysis.json.gz would shadow it for every later read.
+    check_outputs([Output(json_out, "--json")], files=[study_file(p) for p in studies])
     if json_out is not None and json_out.name in ANALYSIS_NAMES and any(
             p.is_dir() and json_out.resolve().parent == p.resolve() for p in studies):
         raise DeltalensError(f"--json {json_out} would replace or shadow a study's own analysis; choose another name")
-    check_outputs([Output(json_out, "--json")], files=[study_file(p) for p in studies])
     res = scale_analysis(studies, fraction)
     if json_out is not None:
         write_json_atomic(res, json_out)
