@@ -42,6 +42,10 @@ def test_named_models_get_the_tasks_chosen_for_them():
     qwen, smol = ESConfig.PRESETS["qwen2.5"], ESConfig.PRESETS["smollm2"]
     assert qwen["sigma"] < smol["sigma"] / 10 and {k: v for k, v in qwen.items() if k not in ("sigma", "alpha")} == {
         k: v for k, v in smol.items() if k not in ("sigma", "alpha")}
+    # GRPO's qwen2.5 preset is smollm2's with the lr scaled the same way (1e-5 collapsed Qwen in one step)
+    gq, gs = GRPOConfig.PRESETS["qwen2.5"], GRPOConfig.PRESETS["smollm2"]
+    assert (gq["learning_rate"], gs["learning_rate"]) == (1e-6, 1e-5)
+    assert {k: v for k, v in gq.items() if k != "learning_rate"} == {k: v for k, v in gs.items() if k != "learning_rate"}
     assert presets.default_task("some/hub-id") == "arith" and presets.default_task(None) == "arith"
 
 

@@ -24,6 +24,7 @@ from deltalens.errors import DeltalensError
 from deltalens.evaluation.cost import record_rate
 from deltalens.evaluation.passk import fit_ks, parse_ks, summarize
 from deltalens.generation import HFBackend, SamplingParams, backend_for_spec
+from deltalens.generation.dtype import machine
 from deltalens.generation.prompts import problem_prompts
 from deltalens.io.models import apply_state_dict, dtype_name, load_model
 from deltalens.io.spec import default_labels
@@ -82,8 +83,15 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
     out.update(summarize(task, problems, completions, ks, seed=seed, keep_completions=keep_completions))
     n_chars = sum(len(c) for comps in completions for c in comps)
     out["timing"] = {"generate_s": round(gen_s, 3), "sequences": total,
-                     "completion_chars_per_s": round(n_chars / max(gen_s, 1e-9), 1)}
+                     "completion_chars_per_s": round(n_chars / max(gen_s, 1e-9), 1), "machine": _machine(model)}
     return out
+
+
+def _machine(model) -> str:
+    """`dtype.machine` of the device the model's weights are on (vLLM, which places its own: the CPU's or
+    GPU 0's)."""
+    param = next(model.parameters(), None) if model is not None and hasattr(model, "parameters") else None
+    return machine(param.device if param is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _record(model, backend, spec, config, max_new_tokens, sequences, seconds) -> None:

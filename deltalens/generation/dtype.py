@@ -65,6 +65,31 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name of /proc/cpuinfo ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return " ".join(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return ""
+
+
+def machine(device: torch.device | str = "cpu") -> str:
+    """What a timing was measured on, in one line: the GPU's name, or the CPU's model name, its bf16 matrix
+    instructions (AMX-BF16 / AVX512-BF16, or none: the ones `auto` reads) and torch's thread count. Timings
+    from different machines are not comparable: bf16 generation on an AMX Xeon ran ~3x the speed of the same
+    code on an AVX512-BF16 EPYC (docs/reproduction.md)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    bf16 = [f for f in ("amx_bf16", "avx512_bf16") if f in cpu_flags()]
+    return f"cpu: {cpu_model() or 'unknown'}, bf16: {'+'.join(bf16) or 'none'}, {torch.get_num_threads()} threads"
+
+
 def bf16_is_fast(device: torch.device | str = "cpu") -> bool:
     """Whether bf16 matmuls are faster than fp32 ones on `device`: AMX-BF16 or AVX512-BF16 on CPU (an
     AVX512-BF16 EPYC without AMX: 2.2x fp32's matmul peak, SmolLM2-135M generation 1.8x; docs in

@@ -87,6 +87,9 @@ def test_cli_eval_tiny_end_to_end_and_seeded(tmp_path):
     ev = a["evals"]["tiny"]
     assert ev["n_problems"] == 8 and ev["samples"] == 4 and len(ev["curve"]["pass"]) == 4
     assert 0 < ev["pass_at_k"]["4"] <= 1 and ev["pass_at_k"]["1"] <= ev["pass_at_k"]["4"]
+    from deltalens.generation.dtype import machine
+
+    assert ev["timing"]["machine"] == machine("cpu") and ev["timing"]["machine"].startswith("cpu: ")
     # seeded: identical results run to run
     assert [p["correct"] for p in a["evals"]["tiny"]["per_problem"]] == \
         [p["correct"] for p in b["evals"]["tiny"]["per_problem"]]

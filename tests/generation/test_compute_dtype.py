@@ -91,6 +91,15 @@ def test_cpu_flags_reads_proc_cpuinfo():
     assert cd.cpu_flags() == (frozenset(line.partition(":")[2].split()) if line else frozenset())
 
 
+@pytest.mark.parametrize("flags, says", [({"amx_bf16", "avx512_bf16"}, "bf16: amx_bf16+avx512_bf16"),
+                                         ({"avx512_bf16"}, "bf16: avx512_bf16"), ({"avx2"}, "bf16: none")])
+def test_machine_names_the_cpu_its_bf16_instructions_and_threads(monkeypatch, flags, says):
+    """Every timing says what it ran on: an AMX Xeon and an AVX512-BF16 EPYC differ ~3x in bf16 generation."""
+    monkeypatch.setattr(cd, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cd, "cpu_model", lambda: "Some CPU")
+    assert cd.machine("cpu") == f"cpu: Some CPU, {says}, {torch.get_num_threads()} threads"
+
+
 def test_low_precision_weights_generate_as_they_are():
     for master in (torch.bfloat16, torch.float16):
         for name in cd.COMPUTE_DTYPES:

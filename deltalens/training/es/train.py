@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deltalens.errors import DeltalensError
+from deltalens.generation.dtype import machine
 from deltalens.io.models import load_model
 from deltalens.io.runs import RunDir, checkpoint_name
 from deltalens.training.budget import es_units
@@ -161,6 +162,7 @@ def _iteration(engine: ESEngine, backend, it: int) -> dict:
         "update_rms": upd["update_rms"],
         "checksum": upd["checksum"],
         "compute_dtype": engine.compute_dtype,
+        "machine": machine(next(engine.model.parameters()).device),  # this process's (`dtype.machine`)
         "completion_length": tokens / count if count else None,  # mean tokens per member completion
         "timing": {k: round(v, 4) for k, v in timing.items()},
         **({"workers": upd["workers"]} if "workers" in upd else {}),

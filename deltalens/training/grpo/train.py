@@ -97,7 +97,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation import HFBackend
-from deltalens.generation.dtype import model_compute_dtype
+from deltalens.generation.dtype import machine, model_compute_dtype
 from deltalens.generation.params import SamplingParams, cut_at_stop, cut_ids_at_stop
 from deltalens.generation.prompts import problem_prompts, uses_chat
 from deltalens.io.atomic import atomic_dir, atomic_path
@@ -397,6 +397,7 @@ def metrics_row(step: int, logs: dict, rewards: list[float], config: GRPOConfig,
         "frac_reward_zero_std": _num(logs.get("frac_reward_zero_std")),
         "units": grpo_units(step, config.prompts_per_step, config.num_generations),
         "timing": {"iteration_s": round(iteration_s, 4), "trl_step_s": _num(logs.get("step_time"))},
+        "machine": machine(config.device),  # this process's (`dtype.machine`)
         "trl": {k: _num(v) for k, v in logs.items() if _num(v) is not None},
     }
 
