@@ -52,30 +52,27 @@ BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # AMX tiles, or AVX-512
 MIN_BF16_HIDDEN = 512  # auto: narrower models stay fp32 (tiny, 128: no gain; SmolLM2 width, 576: 1.4-1.9x)
 
 
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+@lru_cache(maxsize=4)
+def _cpuinfo(field: str) -> str:
+    """The first `field` line's value in /proc/cpuinfo ("" where there is none, e.g. macOS)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@lru_cache(maxsize=1)
-def cpu_model() -> str:
-    """The CPU's model name of /proc/cpuinfo ("" where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return " ".join(line.partition(":")[2].split())
+                if line.startswith(field):
+                    return line.partition(":")[2]
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name of /proc/cpuinfo ("" where there is none)."""
+    return " ".join(_cpuinfo("model name").split())
 
 
 def machine(device: torch.device | str = "cpu") -> str:
