@@ -61,11 +61,11 @@ def train(model: str, run: Path, dtype: str, iterations: int) -> None:
                   str(iterations), "--compute-dtype", dtype, "--out", str(run))
 
 
-def evaluate(spec: str, out: Path, limit: int, samples: int) -> dict:
+def evaluate(spec: str, out: Path, limit: int, samples: int, task: str | None = None) -> dict:
     if not out.is_file():
         deltalens("eval", spec, "--split", "validation", "--limit", str(limit), "--samples", str(samples),
                   "--k", "1", "--temperature", "0.6", "--seed", "0", "--compute-dtype", "auto",
-                  "--json", str(out))
+                  *(("--task", task) if task else ()), "--json", str(out))
     doc = json.loads(out.read_text())
     (ev,) = doc["evals"].values()
     return ev
