@@ -31,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from es_compute_dtype_agreement import evaluate, finish, mean_se, rates, run_facts
 
+from deltalens.analysis.stats import LOST_METHOD_AT_MOST, problems_lost
+
 
 def greedy_curve(run: Path) -> dict[int, float]:
     out = {}
@@ -42,14 +44,20 @@ def greedy_curve(run: Path) -> dict[int, float]:
 
 
 def coverage(base: dict, final: dict, samples: int) -> dict:
-    """Pass@S of both and the problems lost / gained between them (module doc)."""
+    """Pass@S of both and the problems lost / gained between them (module doc): the study's count
+    (`stats.problems_lost`) with the bar at S/4 correct, and with the roles swapped for the gained ones."""
     b = [row["correct"] for row in base["per_problem"]]
     f = [row["correct"] for row in final["per_problem"]]
     high = math.ceil(samples / 4)
+
+    def dropped(frm: list[int], to: list[int]) -> int:
+        (n,) = problems_lost([[c / samples for c in frm]], [to], base_at_least=high / samples)["per_seed"]
+        return n
+
     return {"pass_at_s": {"base": sum(x > 0 for x in b) / len(b), "final": sum(y > 0 for y in f) / len(f)},
-            "lost": sum(x >= high and y <= 1 for x, y in zip(b, f)),
-            "gained": sum(x <= 1 and y >= high for x, y in zip(b, f)),
-            "rule": f"lost: base >= {high}/{samples} correct and trained <= 1/{samples}; gained: the reverse"}
+            "lost": dropped(b, f), "gained": dropped(f, b),
+            "rule": f"lost: base >= {high}/{samples} correct and trained <= {LOST_METHOD_AT_MOST}/{samples}; "
+                    "gained: the reverse"}
 
 
 def main():
@@ -75,7 +83,7 @@ def main():
            "final": evaluate(str(weights), root / f"eval-{name}-{tag}.json", args.limit, args.samples, task)}
     per = {k: rates(ev) for k, ev in evs.items()}
     res = {"date": time.strftime("%Y-%m-%d"), "run": str(args.run), "method": config.get("method"),
-           "model": config["model"], "task": config.get("task"), "validation_problems": args.limit,
+           "model": config["model"], "task": task, "validation_problems": args.limit,
            "samples": args.samples, "temperature": 0.6, "eval_compute_dtype": "auto", "pass_at_1": {}}
     for k, x in per.items():
         m, se = mean_se(x)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _load():
-    import sys
-
     sys.path.insert(0, str(BENCH))  # the script imports its sibling es_compute_dtype_agreement
     try:
         spec = importlib.util.spec_from_file_location("validation_gain", BENCH / "validation_gain.py")

@@ -87,10 +87,15 @@ def evaluate(model, tokenizer, task: Task, *, samples: int = 32, ks: Sequence[in
     return out
 
 
+def _first_param(model):
+    """The model's first parameter, or None (no model, or one without torch parameters: vLLM's)."""
+    return next(model.parameters(), None) if model is not None and hasattr(model, "parameters") else None
+
+
 def _machine(model) -> str:
     """`dtype.machine` of the device the model's weights are on (vLLM, which places its own: the CPU's or
     GPU 0's)."""
-    param = next(model.parameters(), None) if model is not None and hasattr(model, "parameters") else None
+    param = _first_param(model)
     return machine(param.device if param is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -99,7 +104,7 @@ def _record(model, backend, spec, config, max_new_tokens, sequences, seconds) ->
     generation ran in: the HF backend's compute dtype, else the weights'."""
     name = "hf" if isinstance(backend, HFBackend) else \
         "vllm" if type(backend).__name__.startswith("VLLM") else type(backend).__name__
-    param = next(model.parameters(), None) if model is not None and hasattr(model, "parameters") else None
+    param = _first_param(model)
     device = None if param is None else param.device.type
     dtype = dtype_name(backend.dtype) if isinstance(backend, HFBackend) else \
         "fp32" if param is None else dtype_name(param.dtype)  # what generation ran in (`cost.generation_dtype`)

@@ -78,8 +78,8 @@ def cpu_model() -> str:
 def machine(device: torch.device | str = "cpu") -> str:
     """What a timing was measured on, in one line: the GPU's name, or the CPU's model name, its bf16 matrix
     instructions (AMX-BF16 / AVX512-BF16, or none: the ones `auto` reads) and torch's thread count. Timings
-    from different machines are not comparable: bf16 generation on an AMX Xeon ran ~3x the speed of the same
-    code on an AVX512-BF16 EPYC (docs/reproduction.md)."""
+    from different machines are not comparable: bf16 generation on an AMX Xeon and on an AVX512-BF16 EPYC
+    differ severalfold (docs/reproduction.md, "Claim 7 on SmolLM2")."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         return f"cuda: {torch.cuda.get_device_name(device)}"
