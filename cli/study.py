@@ -2,7 +2,8 @@
 arXiv 2608.27351 a verdict with bootstrap intervals. Options are generated from `deltalens.study.StudyConfig`.
 
 `deltalens study scale STUDY_DIR...` (`study_scale`): claim 6 across model sizes from finished studies
-(`deltalens.study.scale`); cli/main.py routes `study scale` to it (a study's MODEL is positional, so the
+(`deltalens.study.scale`). `deltalens study verify STUDY` (`study_verify`): every check re-derived from a study's
+analysis.json alone (`deltalens.study.verify`). cli/main.py routes `study scale` and `study verify` to them (a study's MODEL is positional, so the
 subcommand is a rewritten first word, as `train --method` is)."""
 
 from __future__ import annotations
@@ -197,6 +198,57 @@ def study_scale(
     if json_out is not None:
         write_json_atomic(res, json_out)
     show_scale(res)
+
+
+def show_verify(res: dict, console=None) -> None:
+    """The re-derivation on stdout: one summary line, then each check that differs (its fields, both values)
+    and each claim whose verdict differs."""
+    console = console or c.out
+    console.print(f"{res['file']}: {res['identical']} of {res['checks']} checks re-derived identically from the "
+                  "document's own data", markup=False, highlight=False, soft_wrap=True)
+    if res["differing"]:
+        t = Table(title=Text("checks that differ"), expand=False, pad_edge=False)
+        t.add_column("check", overflow="fold", ratio=1, min_width=24)
+        t.add_column("status", no_wrap=True)
+        t.add_column("field: stated -> derived", overflow="fold", ratio=1)
+        for r in res["differing"]:
+            fields = "; ".join(f"{k}: {v['stated']!r} -> {v['derived']!r}" for k, v in r.get("fields", {}).items())
+            t.add_row(Text(f"({r['claim']}) {r['check']}"), r["status"], Text(fields))
+        console.print(t)
+    for cl in res["claims"]:
+        if cl["stated"] != cl["derived"]:
+            console.print(f"claim {cl['id']}: stated {cl['stated']}, derived {cl['derived']}", markup=False,
+                          highlight=False)
+    added = sorted({f for r in res["rows"] for f in r.get("added", [])})
+    if added:
+        console.print(f"fields this deltalens adds that the document predates: {', '.join(added)}", markup=False,
+                      highlight=False)
+    console.print("verified: every stated check and verdict follows from the data" if res["ok"] else
+                  "NOT verified: the document's checks do not all follow from its data", markup=False,
+                  highlight=False)
+
+
+def study_verify(
+    study: Annotated[Path, typer.Argument(metavar="STUDY", help="a finished study's directory, its analysis.json, "
+                                          "or a published analysis.json.gz")],
+    json_out: Annotated[Path | None, typer.Option("--json", dir_okay=False, help="also write the comparison as "
+                                                  "JSON to this file")] = None,
+) -> None:
+    """Re-derive every check and verdict of a study from its analysis.json alone (its per-problem data, diff,
+    sparsity, entropy, population and paired rewards; no model is read) and compare them with what it states.
+    Exit 0 when all agree, 1 when any differs."""
+    from deltalens.io.atomic import write_json_atomic
+    from deltalens.io.outputs import Output, check_outputs
+    from deltalens.study.scale import study_file
+    from deltalens.study.verify import verify
+
+    check_outputs([Output(json_out, "--json")], files=[study_file(study)])
+    res = verify(study)
+    if json_out is not None:
+        write_json_atomic(res, json_out)
+    show_verify(res)
+    if not res["ok"]:
+        raise typer.Exit(code=1)
 
 
 study = o.command("study", "Train every method for every seed at one FLOP-matched budget, measure, and test each "

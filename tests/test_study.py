@@ -75,6 +75,12 @@ def test_study_resumes_after_a_kill_and_redoes_nothing(tmp_path, monkeypatch):
     assert "<th>Per training seed</th>" in (out / "report.html").read_text()
     _one_base(doc)
     _verdict_from_the_document(json.loads((out / "analysis.json").read_text()), cfg)
+    # and every check and verdict, re-derived from analysis.json alone by `deltalens study verify`
+    from deltalens.study.verify import verify
+
+    res = verify(out)
+    n = sum(len(c["checks"]) for c in doc["study"]["claims"])
+    assert res["ok"] and res["checks"] == res["identical"] == n, res["differing"]
     # a rerun measures nothing again: every result comes from the cache
     logs.clear()
     study_run.run_study(cfg, out, log=logs.append)

@@ -277,17 +277,27 @@ def _percentiles(values: np.ndarray) -> list[float]:
     return [float(q) for q in np.quantile(v, [(1 - stats.LEVEL) / 2, (1 + stats.LEVEL) / 2])]
 
 
+def two_point_pairs(label: str, run_dir) -> list[tuple[float, float]]:
+    """The (R+, R-) pairs of one two-point run, from its directory's config.json and metrics rows; refused
+    when the run is not two-point (N = 2, antithetic)."""
+    run = RunDir(run_dir)
+    cfg = run.config()
+    if cfg.get("population") != 2 or not cfg.get("antithetic"):
+        raise DeltalensError(f"{label} is not a two-point run (population {cfg.get('population')}, "
+                             f"antithetic {cfg.get('antithetic')}); its rewards are not pairs")
+    return paired_rewards(run.metrics())
+
+
 def two_point_checks(runs: dict, R: int) -> list[dict]:
-    """Claim 7's paired-reward check over the two-point runs (`runs`: label -> run directory; module
-    docstring): corr(R+, R-) > 0, shown beside the claim's checks, not part of its verdict."""
-    pairs = {}
-    for label, d in runs.items():
-        run = RunDir(d)
-        cfg = run.config()
-        if cfg.get("population") != 2 or not cfg.get("antithetic"):
-            raise DeltalensError(f"{label} is not a two-point run (population {cfg.get('population')}, "
-                                 f"antithetic {cfg.get('antithetic')}); its rewards are not pairs")
-        pairs[label] = paired_rewards(run.metrics())
+    """Claim 7's paired-reward check over the two-point runs (`runs`: label -> run directory)."""
+    return pair_checks({label: two_point_pairs(label, d) for label, d in runs.items()}, R)
+
+
+def pair_checks(pairs: dict, R: int) -> list[dict]:
+    """Claim 7's paired-reward check from the two-point runs' pairs (label -> [(R+, R-)]; module docstring):
+    corr(R+, R-) > 0, shown beside the claim's checks, not part of its verdict. The pairs are kept in the
+    check, so a published study re-derives it (`deltalens.study.verify`)."""
+    pairs = {k: [tuple(p) for p in v] for k, v in pairs.items()}
     name = ("two-point es: paired rewards R(θ+σε), R(θ-σε) positively correlated over iterations (what pairing "
             "relies on; not part of the verdict)")
     common = {"in_verdict": False, "seed_spread": False, "pairs": {k: [list(p) for p in v] for k, v in pairs.items()}}

@@ -48,7 +48,8 @@ from deltalens.study.checks import (  # noqa: F401  (re-exported: `from deltalen
     effects_summary,
     entropy_checks,
     evaluation_checks,
-    two_point_checks,
+    pair_checks,
+    two_point_pairs,
 )
 from deltalens.study.claims import CLAIMS, SEED_SPREAD, claims_of, temperature_text  # noqa: F401
 from deltalens.study.cluster import executor_for
@@ -119,74 +120,93 @@ def study_base(cfg: StudyConfig, base_evals: list[dict], effects: dict) -> dict:
             "pass_at_k": pk, "maj_at_k": mk, "curve": {"k": ks, "pass": mean["pass"], "maj": mean["maj"]}}
 
 
-def analyse(cfg: StudyConfig, out: Path, plan: list[dict], results: dict, seconds=lambda: None) -> tuple[dict, list]:
-    """The analysis document and the study's checks (Holm-adjusted) from the graph's results (module
-    docstring); `seconds()`: the time the study took, recorded last."""
+def study_checks(cfg: StudyConfig, groups: dict[str, list[dict]], inputs: dict,
+                 task_spec: str | None = None) -> tuple[list[dict], dict, dict]:
+    """Every check of the study, Holm-adjusted, from its inputs alone (nothing read here: `analyse` gathers
+    them from the study directory, `deltalens.study.verify` from a published analysis.json, so both derive
+    the verdicts with this one function). `inputs`:
+
+        evaluations  {t_key(T): {"base": [eval per sampling seed], label: eval}}, each eval at least
+                     {"per_problem": [{"n", "correct", "maj_at_k"}]}
+        pairs        {label: [(R+, R-) per iteration]} of the two-point runs (claim 7's correlation)
+        diff         the weight diff per run (claims 2 and 4; read when es and grpo both ran)
+        sparsity     {label: the sparsity task's result} of each method's first run (claim 3)
+        entropy      {"base": [...], label: [...]} per prompt (claim 8)
+        diversity    {label: the population pass} of the first es run (claims 9 and 10)
+
+    Returns (checks, effects per temperature, the report's sparsify section per run)."""
     R = cfg.resamples
-    groups = by_group(plan)
     vt, temps = cfg.verdict_temperature, cfg.eval_temperatures
     several = len(temps) > 1
-    base_evals, run_evals = {}, {}
-    for t in temps:
-        base_evals[t] = [read_result(out, results[f"eval:base:s{s}:t{t_key(t)}"]) for s in range(cfg.base_seeds)]
-        run_evals[t] = {r["label"]: read_result(out, results[f"eval:{r['label']}:t{t_key(t)}"]) for r in plan}
-
     checks: list[dict] = []
     effects_at = {}
     for t in sorted(temps, key=lambda x: x != vt):  # the verdict temperature first
-        evs = {g: [run_evals[t][r["label"]] for r in rs] for g, rs in groups.items()}
-        new, eff = evaluation_checks(cfg, base_evals[t], evs, R, at=f" at T={t:g}" if several else "",
+        evals = inputs["evaluations"][t_key(t)]
+        evs = {g: [evals[r["label"]] for r in rs] for g, rs in groups.items()}
+        new, eff = evaluation_checks(cfg, evals["base"], evs, R, at=f" at T={t:g}" if several else "",
                                      primary=t == vt)
         if several:
             for c in new:
                 c.update(temperature=t, in_verdict=t == vt)
         checks += new
         effects_at[t] = eff
-    effects = effects_at[vt]
     if TWO_POINT in groups:  # claim 7's paired-reward correlation, from the two-point runs' metrics rows
-        checks += two_point_checks({r["label"]: r["dir"] for r in groups[TWO_POINT]}, R)
-
-    diff_doc = read_result(out, results["diff"])
-    diffs = diff_doc["diff"]
+        checks += pair_checks({r["label"]: inputs["pairs"][r["label"]] for r in groups[TWO_POINT]}, R)
     if "es" in groups and "grpo" in groups:
-        checks += distance_checks(cfg, diffs, R)
+        checks += distance_checks(cfg, inputs["diff"], R)
 
-    task_spec = get_task(cfg.task).spec
-    sparsify_section, sparsity_data = {}, {}
+    sparsify_section = {}
     for meth in ("es", "grpo"):
         if meth in groups:
             label = groups[meth][0]["label"]
-            res = results[f"sparsity:{label}"]
-            a = sparsity_analysis(cfg, res, meth, task_spec, R)
+            a = sparsity_analysis(cfg, inputs["sparsity"][label], meth,
+                                  task_spec if task_spec is not None else get_task(cfg.task).spec, R)
             sparsify_section[label] = a["section"]
-            sparsity_data[label] = res
             checks += a["checks"]
 
-    base_ent = results["entropy:base"]["entropy"]
-    ent = {meth: [results[f"entropy:{r['label']}"]["entropy"] for r in groups[meth]]
-           for meth in ("es", "grpo") if meth in groups}
-    checks += entropy_checks(base_ent, ent, R)
-
-    diversity_section = {}
+    ent = {meth: [inputs["entropy"][r["label"]] for r in groups[meth]] for meth in ("es", "grpo") if meth in groups}
+    checks += entropy_checks(inputs["entropy"]["base"], ent, R)
     if "es" in groups:
-        label = groups["es"][0]["label"]
-        div = results[f"diversity:{label}"]
-        diversity_section[label] = div
-        checks += diversity_checks(div, R)
+        checks += diversity_checks(inputs["diversity"][groups["es"][0]["label"]], R)
+    adjust(checks)  # Holm over every check of the study: the verdicts are the adjusted ones
+    return checks, effects_at, sparsify_section
+
+
+def analyse(cfg: StudyConfig, out: Path, plan: list[dict], results: dict, seconds=lambda: None) -> tuple[dict, list]:
+    """The analysis document and the study's checks (Holm-adjusted) from the graph's results (module
+    docstring); `seconds()`: the time the study took, recorded last."""
+    groups = by_group(plan)
+    vt, temps = cfg.verdict_temperature, cfg.eval_temperatures
+    base_evals, run_evals = {}, {}
+    for t in temps:
+        base_evals[t] = [read_result(out, results[f"eval:base:s{s}:t{t_key(t)}"]) for s in range(cfg.base_seeds)]
+        run_evals[t] = {r["label"]: read_result(out, results[f"eval:{r['label']}:t{t_key(t)}"]) for r in plan}
+    diff_doc = read_result(out, results["diff"])
+    diffs = diff_doc["diff"]
+    first = {meth: groups[meth][0]["label"] for meth in ("es", "grpo") if meth in groups}
+    entropy = {"base": results["entropy:base"]["entropy"],
+               **{r["label"]: results[f"entropy:{r['label']}"]["entropy"]
+                  for m in ("es", "grpo") if m in groups for r in groups[m]}}
+    inputs = {"evaluations": {t_key(t): {"base": base_evals[t], **run_evals[t]} for t in temps},
+              "pairs": {r["label"]: two_point_pairs(r["label"], r["dir"]) for r in groups.get(TWO_POINT, [])},
+              "diff": diffs,
+              "sparsity": {label: results[f"sparsity:{label}"] for label in first.values()},
+              "entropy": entropy,
+              "diversity": {first["es"]: results[f"diversity:{first['es']}"]} if "es" in first else {}}
+    checks, effects_at, sparsify_section = study_checks(cfg, groups, inputs, get_task(cfg.task).spec)
+    effects = effects_at[vt]
+    several = len(temps) > 1
 
     held_out = {}
     for name in cfg.held_out:
         for label in ["base", *(r["label"] for r in plan)]:
             held_out.setdefault(label, {})[name] = read_result(out, results[f"heldout:{name}:{label}"])["pass_at_k"]
 
-    adjust(checks)  # Holm over every check of the study: the verdicts below are the adjusted ones
     ran = {c["claim"] for c in checks}
     data = {"base_definition": BASE_DEFINITION, "temperature": vt,
             "evaluations": {t_key(t): {"base": [_rows(ev) for ev in base_evals[t]],
                                        **{lab: _rows(ev) for lab, ev in run_evals[t].items()}} for t in temps},
-            "sparsity": sparsity_data,
-            "entropy": {"base": base_ent, **{r["label"]: results[f"entropy:{r['label']}"]["entropy"]
-                                             for m in ent for r in groups[m]}}}
+            "sparsity": inputs["sparsity"], "entropy": entropy}
     study = {"config": {**cfg.to_dict(), "budget": study_budget(cfg), "preset": preset_of(cfg),
                         "temperature": vt, "temperatures": list(temps)},
              "rule": f"{stats.rule_text(cfg.noninferiority_margin)} {SEED_SPREAD} {temperature_text(temps, vt)}",
@@ -202,7 +222,7 @@ def analyse(cfg: StudyConfig, out: Path, plan: list[dict], results: dict, second
     training = {r["label"]: training_section(r["label"], r["dir"]) for r in plan}
     doc = analysis_document(cfg.model, [model_entry(r["label"], str(r["dir"]), shown(r["dir"], out)) for r in plan],
                             diff=diffs, ratios=diff_doc["ratios"], evals=evals,
-                            sparsify=sparsify_section or None, diversity=diversity_section or None,
+                            sparsify=sparsify_section or None, diversity=inputs["diversity"] or None,
                             training={k: v for k, v in training.items() if v}, held_out=held_out or None,
                             study=study)
     return {k: v for k, v in doc.items() if v is not None}, checks

@@ -81,7 +81,7 @@ def test_shared_options_are_declared_once(name):
 
 
 # commands with a YAML file of options (--config): every command with options but these
-NO_CONFIG = {"train resume", "study scale", "render", "models list", "models fetch"}
+NO_CONFIG = {"train resume", "study scale", "study verify", "render", "models list", "models fetch"}
 # the option a command writes its output (a directory, or render's HTML file) to: --out, with -o; sparsify's --out
 # is an extra (its sparsified checkpoints), so no -o
 OUT = {"report", "render", "study", "demo", "sweep es", "sweep grpo", "train es", "train grpo", "train chain",
@@ -193,6 +193,7 @@ def seen(monkeypatch) -> Seen:
     import deltalens.generation.vllm
     import deltalens.study.run
     import deltalens.study.scale
+    import deltalens.study.verify
     import deltalens.study.sweep
     import deltalens.training.launch
     import deltalens.training.trained
@@ -246,6 +247,8 @@ def seen(monkeypatch) -> Seen:
     monkeypatch.setattr(deltalens.cli.train, "summary", fake("summary"))
     monkeypatch.setattr(deltalens.study.scale, "scale_analysis", fake("scale_analysis", {"models": []}))
     monkeypatch.setattr(deltalens.cli.study, "show_scale", fake("show_scale"))
+    monkeypatch.setattr(deltalens.study.verify, "verify", fake("verify", {"ok": True}))
+    monkeypatch.setattr(deltalens.cli.study, "show_verify", fake("show_verify"))
     return s
 
 
@@ -303,6 +306,7 @@ BASE_ARGS: dict[str, list[str]] = {
     "diff": ["diff", "tiny", "tiny"], "sparsify": ["sparsify", "tiny"], "diversity": ["diversity", "tiny"],
     "probe": ["probe", "tiny"], "demo": ["demo", "--out", "{out}/demo"], "render": ["render", "{analysis}"],
     "study scale": ["study", "scale", "{analysis}"],
+    "study verify": ["study", "verify", "{analysis}"],
     "sweep es": ["sweep", "es", "--model", "tiny", "--grid", "sigma=1e-3", "--out", "{out}/sweep"],
     "sweep grpo": ["sweep", "grpo", "--model", "tiny", "--grid", "lr=1e-6", "--out", "{out}/sweep"],
     "study": ["study", "tiny", "--out", "{out}/study"],
@@ -314,6 +318,10 @@ ROUTES: dict[str, dict[str, Route]] = {
     "study scale": {
         "--fraction": R("--fraction", "0.5", check=lambda s, f: s["scale_analysis"].args[1] == 0.5),
         "--json": R("--json", "{out}/scale.json", check=wrote("scale.json")),
+    },
+    "study verify": {
+        "--json": R("--json", "{out}/verify.json", check=lambda s, f: (f["out"] / "verify.json").is_file()
+                    and s["verify"].args[0] == f["analysis"]),
     },
     "eval": {
         "--task": R("--task", "countdown", check=lambda s, f: s[EM].args[1].spec == "countdown"),

@@ -66,6 +66,7 @@ def _sweep(method: str, grid: str) -> Case:
 OUTPUTS: dict[tuple[str, str], Case] = {
     ("demo", "--out"): Case(None, directory=True),  # no inputs but the bundled tiny model: test_demo_out
     ("study scale", "--json"): Case(None),  # its inputs are studies' analysis.json: test_study_scale_json
+    ("study verify", "--json"): Case(None),  # its input is a study's analysis.json: test_study_verify_json
     ("eval", "--json"): _plain("eval"),
     ("eval", "--log-samples"): _plain("eval"),
     ("probe", "--json"): _plain("probe"),
@@ -324,4 +325,18 @@ def test_study_scale_json(inputs, tmp_path):
         lines = [ln for ln in r.output.splitlines() if ln.strip()]
         assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
         assert any(m in lines[0] for m in GUARD), lines[0]  # the guard's refusal, not the analysis's
+        assert tree(tmp_path) == before
+
+
+def test_study_verify_json(inputs, tmp_path):
+    """`study verify` reads a study's analysis.json: --json aimed at it is refused, nothing touched."""
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / "analysis.json").write_text(inputs["analysis"].read_text())
+    for arg in (study, study / "analysis.json"):
+        before = tree(tmp_path)
+        r = run_cli(["study", "verify", str(arg), "--json", str(study / "analysis.json")])
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+        assert any(m in lines[0] for m in GUARD), lines[0]
         assert tree(tmp_path) == before
