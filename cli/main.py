@@ -21,7 +21,7 @@ from .diversity import diversity
 from .eval import eval_cmd
 from .probe import probe_cmd
 from .report import render, report
-from .study import study, study_scale, study_verify
+from .study import study, study_merge, study_scale, study_verify
 from .sweep import app as sweep_app
 
 app = typer.Typer(
@@ -56,6 +56,7 @@ app.command("probe")(common.guard(probe_cmd))
 app.command("study")(common.guard(study))
 app.command("study scale")(common.guard(study_scale))  # `deltalens study scale DIR...` (main() routes it)
 app.command("study verify")(common.guard(study_verify))  # `deltalens study verify STUDY` (routed likewise)
+app.command("study merge")(common.guard(study_merge))  # `deltalens study merge STUDY... --out DIR` (likewise)
 app.command("diff")(common.guard(diff_cmd))
 app.command("sparsify")(common.guard(sparsify_cmd))
 app.command("diversity")(common.guard(diversity))
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if args and args[0] == "train":
         args = ["train", *train_cmds.rewrite_alias(args[1:])]
-    if args[:1] == ["study"] and args[1:2] in (["scale"], ["verify"]):  # subcommands beside `study MODEL`,
+    if args[:1] == ["study"] and args[1:2] in (["scale"], ["verify"], ["merge"]):  # subcommands beside `study MODEL`,
         args = [f"study {args[1]}", *args[2:]]  # whose first argument is a model
     cmd = typer.main.get_command(app)
     try:

@@ -3,7 +3,8 @@ arXiv 2608.27351 a verdict with bootstrap intervals. Options are generated from 
 
 `deltalens study scale STUDY_DIR...` (`study_scale`): claim 6 across model sizes from finished studies
 (`deltalens.study.scale`). `deltalens study verify STUDY` (`study_verify`): every check re-derived from a study's
-analysis.json alone (`deltalens.study.verify`). cli/main.py routes `study scale` and `study verify` to them (a study's MODEL is positional, so the
+analysis.json alone (`deltalens.study.verify`). `deltalens study merge STUDY... --out DIR` (`study_merge`): one
+study from pieces run apart (`deltalens.study.merge`). cli/main.py routes `study scale|verify|merge` to them (a study's MODEL is positional, so the
 subcommand is a rewritten first word, as `train --method` is)."""
 
 from __future__ import annotations
@@ -249,6 +250,29 @@ def study_verify(
     show_verify(res)
     if not res["ok"]:
         raise typer.Exit(code=1)
+
+
+def study_merge(
+    studies: Annotated[list[Path], typer.Argument(metavar="STUDY", help="finished studies of one setting (each a "
+                                                  "directory, its analysis.json or a published analysis.json.gz) "
+                                                  "whose runs differ: other seeds or methods")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="directory of the merged study (analysis.json, "
+                                      "report.html, verdicts.csv, verdicts.md)")] = Path("deltalens-study-merged"),
+) -> None:
+    """Merge studies run apart (other sessions, other machines) into one: the union of their runs, the base's
+    distinct evaluations pooled, every check derived again with Holm over the whole (nothing is trained or
+    evaluated). Only seeds and methods may differ between them."""
+    from deltalens.io.outputs import Output, check_outputs
+    from deltalens.study.merge import merge
+    from deltalens.study.run import write_study
+    from deltalens.study.scale import study_file
+
+    # a directory output: refused where it holds an input (a piece's analysis.json, a published .json.gz)
+    check_outputs([Output(out, "--out", directory=True)], files=[study_file(p) for p in studies])
+    doc, checks = merge(studies)
+    out.mkdir(parents=True, exist_ok=True)
+    write_study(doc, checks, out)
+    show(doc, out)
 
 
 study = o.command("study", "Train every method for every seed at one FLOP-matched budget, measure, and test each "

@@ -145,7 +145,12 @@ def study_flops(plan: list[dict], tolerance: float = FLOP_TOLERANCE) -> dict:
     """Every run's `run_flops`, each group's mean measured cost against the ES runs', and whether "FLOP-matched"
     held on measured figures within `tolerance` (`matched`: True, False, or None = not recorded), in words
     (`text`). `plan`: the study's runs (label, group, method, dir)."""
-    runs = {r["label"]: run_flops(r["dir"], r["method"]) for r in plan}
+    return flops_summary({r["label"]: run_flops(r["dir"], r["method"]) for r in plan}, plan, tolerance)
+
+
+def flops_summary(runs: dict, plan: list[dict], tolerance: float = FLOP_TOLERANCE) -> dict:
+    """`study_flops` from each run's `run_flops` (label -> dict) already measured: what a merged study
+    (`deltalens.study.merge`) recomputes from its pieces' per-run figures."""
     groups: dict[str, list[dict]] = {}
     for r in plan:
         groups.setdefault(r["group"], []).append(runs[r["label"]])

@@ -108,16 +108,41 @@ def _rows(ev: dict) -> list[dict]:
 def study_base(cfg: StudyConfig, base_evals: list[dict], effects: dict) -> dict:
     """`study.base`: the one base of every table, figure and verdict (BASE_DEFINITION). Pass@K/Maj@K at the
     requested K are the verdicts' own base values (`effects`); the curve is the seeds' curves averaged."""
-    curves = [ev["curve"] for ev in base_evals]
-    ks = curves[0]["k"]
-    mean = {m: [sum(c[m][i] for c in curves) / len(curves) for i in range(len(ks))] for m in ("pass", "maj")}
+    return base_section(cfg, mean_curve([(ev["curve"], 1) for ev in base_evals]), len(base_evals), effects)
+
+
+def mean_curve(curves: list[tuple[dict, int]]) -> dict:
+    """The weighted mean of Pass@k/Maj@k curves ({"k", "pass", "maj"}, all at the same k), weights >= 1."""
+    ks, total = curves[0][0]["k"], sum(w for _, w in curves)
+    return {"k": ks, **{m: [sum(c[m][i] * w for c, w in curves) / total for i in range(len(ks))]
+                        for m in ("pass", "maj")}}
+
+
+def base_section(cfg: StudyConfig, curve: dict, sampling_seeds: int, effects: dict) -> dict:
+    """`study.base` from the base's mean curve, its number of sampling seeds and the verdicts' effects."""
     first = next(iter({g for g, _, _ in effects}), None)
     pk = {str(k): effects[(first, "pass", k)]["base"] for k in cfg.k} if first else {}
     mk = {str(k): effects[(first, "maj", k)]["base"] for k in cfg.k if k > 1} if first else {}
     if "1" in pk:
         mk["1"] = pk["1"]  # Maj@1 = Pass@1
-    return {"definition": BASE_DEFINITION, "sampling_seeds": len(base_evals), "temperature": cfg.verdict_temperature,
-            "pass_at_k": pk, "maj_at_k": mk, "curve": {"k": ks, "pass": mean["pass"], "maj": mean["maj"]}}
+    return {"definition": BASE_DEFINITION, "sampling_seeds": sampling_seeds, "temperature": cfg.verdict_temperature,
+            "pass_at_k": pk, "maj_at_k": mk, "curve": curve}
+
+
+def study_section(cfg: StudyConfig, checks: list[dict], effects_at: dict, base: dict, runs: list[dict], data: dict,
+                  flops: dict, seconds) -> dict:
+    """analysis.json's `study`: settings (as resolved), rule, claims (verdict table), effects, the one base,
+    the runs, the per-problem data the checks use, FLOP accounting and the time taken."""
+    vt, temps = cfg.verdict_temperature, cfg.eval_temperatures
+    study = {"config": {**cfg.to_dict(), "budget": study_budget(cfg), "preset": preset_of(cfg),
+                        "temperature": vt, "temperatures": list(temps)},
+             "rule": f"{stats.rule_text(cfg.noninferiority_margin)} {SEED_SPREAD} {temperature_text(temps, vt)}",
+             "claims": claims_of(checks, ran={c["claim"] for c in checks}), "effects": effects_summary(effects_at[vt]),
+             "base": base, "js_estimator": JS_ESTIMATOR, "runs": runs, "data": data, "flops": flops,
+             "seconds": seconds}
+    if len(temps) > 1:
+        study["effects_at"] = {t_key(t): effects_summary(e) for t, e in effects_at.items()}
+    return study
 
 
 def study_checks(cfg: StudyConfig, groups: dict[str, list[dict]], inputs: dict,
@@ -195,29 +220,20 @@ def analyse(cfg: StudyConfig, out: Path, plan: list[dict], results: dict, second
               "diversity": {first["es"]: results[f"diversity:{first['es']}"]} if "es" in first else {}}
     checks, effects_at, sparsify_section = study_checks(cfg, groups, inputs, get_task(cfg.task).spec)
     effects = effects_at[vt]
-    several = len(temps) > 1
 
     held_out = {}
     for name in cfg.held_out:
         for label in ["base", *(r["label"] for r in plan)]:
             held_out.setdefault(label, {})[name] = read_result(out, results[f"heldout:{name}:{label}"])["pass_at_k"]
 
-    ran = {c["claim"] for c in checks}
     data = {"base_definition": BASE_DEFINITION, "temperature": vt,
             "evaluations": {t_key(t): {"base": [_rows(ev) for ev in base_evals[t]],
                                        **{lab: _rows(ev) for lab, ev in run_evals[t].items()}} for t in temps},
             "sparsity": inputs["sparsity"], "entropy": entropy}
-    study = {"config": {**cfg.to_dict(), "budget": study_budget(cfg), "preset": preset_of(cfg),
-                        "temperature": vt, "temperatures": list(temps)},
-             "rule": f"{stats.rule_text(cfg.noninferiority_margin)} {SEED_SPREAD} {temperature_text(temps, vt)}",
-             "claims": claims_of(checks, ran=ran), "effects": effects_summary(effects),
-             "base": study_base(cfg, base_evals[vt], effects), "js_estimator": JS_ESTIMATOR,
-             "runs": [{"label": r["label"], "group": r["group"], "method": r["method"], "seed": r["seed"],
-                       "dir": shown(r["dir"], out), "total": r["total"]} for r in plan],
-             "data": data, "flops": study_flops(plan),
-             "seconds": seconds()}
-    if several:
-        study["effects_at"] = {t_key(t): effects_summary(e) for t, e in effects_at.items()}
+    runs = [{"label": r["label"], "group": r["group"], "method": r["method"], "seed": r["seed"],
+             "dir": shown(r["dir"], out), "total": r["total"]} for r in plan]
+    study = study_section(cfg, checks, effects_at, study_base(cfg, base_evals[vt], effects), runs, data,
+                          study_flops(plan), seconds())
     evals = {"base": base_evals[vt][0], **run_evals[vt]}
     training = {r["label"]: training_section(r["label"], r["dir"]) for r in plan}
     doc = analysis_document(cfg.model, [model_entry(r["label"], str(r["dir"]), shown(r["dir"], out)) for r in plan],

@@ -57,15 +57,18 @@ def load(path) -> tuple[Path, dict]:
     return f, doc
 
 
-def config_of(study: dict) -> StudyConfig:
+def config_of(study: dict, where: str = "the document") -> StudyConfig:
     """The study's settings from `study.config`: the evaluated temperatures as --temperatures, the preset and
-    budget as resolved (the same runs), every other field as given."""
+    budget as resolved (the same runs), every other field as given. `where` names the file in a refusal."""
     c = study.get("config")
     if not isinstance(c, dict):
-        raise DeltalensError("the study section has no config")
+        raise DeltalensError(f"{where}: the study section has no config")
     given = {k: v for k, v in c.items() if k not in _DERIVED}
-    given["temperatures"] = c.get("temperatures") or [c["temperature"]]
-    return StudyConfig.from_dict(given, source="study.config")
+    given["temperatures"] = c.get("temperatures") or [c.get("temperature")]
+    try:
+        return StudyConfig.from_dict(given, source="study.config")
+    except DeltalensError as e:
+        raise DeltalensError(f"{where}: study.config: {e}") from None
 
 
 def _need(d: dict, key: str, where: str):
@@ -155,7 +158,7 @@ def verify(path) -> dict:
     of `compare` that are not identical], "claims": [{id, stated, derived}], "ok": bool, "rows": every row}."""
     f, doc = load(path)
     study = doc["study"]
-    cfg = config_of(study)
+    cfg = config_of(study, str(f))
     runs = _need(study, "runs", "study.")
     groups = by_group(runs)
     inputs, task_spec = inputs_of(doc, cfg, groups)

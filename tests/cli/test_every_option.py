@@ -81,10 +81,10 @@ def test_shared_options_are_declared_once(name):
 
 
 # commands with a YAML file of options (--config): every command with options but these
-NO_CONFIG = {"train resume", "study scale", "study verify", "render", "models list", "models fetch"}
+NO_CONFIG = {"train resume", "study scale", "study verify", "study merge", "render", "models list", "models fetch"}
 # the option a command writes its output (a directory, or render's HTML file) to: --out, with -o; sparsify's --out
 # is an extra (its sparsified checkpoints), so no -o
-OUT = {"report", "render", "study", "demo", "sweep es", "sweep grpo", "train es", "train grpo", "train chain",
+OUT = {"report", "render", "study", "study merge", "demo", "sweep es", "sweep grpo", "train es", "train grpo", "train chain",
        "sparsify"}
 
 
@@ -193,6 +193,7 @@ def seen(monkeypatch) -> Seen:
     import deltalens.generation.vllm
     import deltalens.study.run
     import deltalens.study.scale
+    import deltalens.study.merge
     import deltalens.study.verify
     import deltalens.study.sweep
     import deltalens.training.launch
@@ -249,6 +250,8 @@ def seen(monkeypatch) -> Seen:
     monkeypatch.setattr(deltalens.cli.study, "show_scale", fake("show_scale"))
     monkeypatch.setattr(deltalens.study.verify, "verify", fake("verify", {"ok": True}))
     monkeypatch.setattr(deltalens.cli.study, "show_verify", fake("show_verify"))
+    monkeypatch.setattr(deltalens.study.merge, "merge", fake("merge", ({}, [])))
+    monkeypatch.setattr(deltalens.study.run, "write_study", fake("write_study"))
     return s
 
 
@@ -307,6 +310,7 @@ BASE_ARGS: dict[str, list[str]] = {
     "probe": ["probe", "tiny"], "demo": ["demo", "--out", "{out}/demo"], "render": ["render", "{analysis}"],
     "study scale": ["study", "scale", "{analysis}"],
     "study verify": ["study", "verify", "{analysis}"],
+    "study merge": ["study", "merge", "{analysis}", "{data}"],
     "sweep es": ["sweep", "es", "--model", "tiny", "--grid", "sigma=1e-3", "--out", "{out}/sweep"],
     "sweep grpo": ["sweep", "grpo", "--model", "tiny", "--grid", "lr=1e-6", "--out", "{out}/sweep"],
     "study": ["study", "tiny", "--out", "{out}/study"],
@@ -318,6 +322,10 @@ ROUTES: dict[str, dict[str, Route]] = {
     "study scale": {
         "--fraction": R("--fraction", "0.5", check=lambda s, f: s["scale_analysis"].args[1] == 0.5),
         "--json": R("--json", "{out}/scale.json", check=wrote("scale.json")),
+    },
+    "study merge": {
+        "--out": R("--out", "{out}/merged", check=lambda s, f: s["write_study"].args[2] == f["out"] / "merged"
+                   and s["merge"].args[0] == [f["analysis"], f["data"]]),
     },
     "study verify": {
         "--json": R("--json", "{out}/verify.json", check=lambda s, f: (f["out"] / "verify.json").is_file()

@@ -67,6 +67,7 @@ OUTPUTS: dict[tuple[str, str], Case] = {
     ("demo", "--out"): Case(None, directory=True),  # no inputs but the bundled tiny model: test_demo_out
     ("study scale", "--json"): Case(None),  # its inputs are studies' analysis.json: test_study_scale_json
     ("study verify", "--json"): Case(None),  # its input is a study's analysis.json: test_study_verify_json
+    ("study merge", "--out"): Case(None),  # its inputs are studies' analysis.json: tests/study/test_merge.py
     ("eval", "--json"): _plain("eval"),
     ("eval", "--log-samples"): _plain("eval"),
     ("probe", "--json"): _plain("probe"),

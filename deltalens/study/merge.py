@@ -1,0 +1,184 @@
+"""`deltalens study merge STUDY... --out DIR`: one study from pieces run apart (other sessions, other machines).
+
+A study on a CPU does not fit one sitting: the SmolLM2 study takes ~2.5 h per training seed on a 2-core
+machine, and nothing outside the repository survives between sessions. Every input of a study's checks is
+in its analysis.json (`deltalens.study.verify`), so the checks of the whole follow from the pieces'
+documents: run `deltalens study MODEL --seeds 1 --out A` in one sitting, `--seeds 2 --out B` in another (or
+one method each), commit each analysis.json, and merge. Nothing is trained or evaluated here; the verdicts
+are derived by the study's own function (`deltalens.study.run.study_checks`), Holm over every check of the
+merged study.
+
+What a merge requires and takes, piece by piece (documents in the order given):
+
+    settings    every setting of `study.config` equal (model, task, budget and preset as resolved, limit,
+                samples, K, temperatures, sparsities, population sizes, two-point, α rule, ES options,
+                backend, compute dtype, resamples, margin, ...) except the seeds, the methods, the base's
+                sampling seeds and where the pieces ran (--ray and its companions, --report-to)
+    runs        the union; a label in two pieces is refused (one run, one result)
+    base        the distinct base evaluations at each temperature, pooled: a piece's base evaluations that
+                equal an earlier piece's row for row (same machine, same sampling seeds) are counted once,
+                different ones (another machine's kernels) are further sampling seeds of the same base
+                (`study.base.sampling_seeds` counts them); the base's entropy, its held-out results and
+                `evals.base` are the first piece's
+    seed-0 work the sparsity sweep (claim 3) and the population pass (claims 9, 10) measure each method's
+                first run (lowest seed) in the merged study, from the piece that has it; a piece whose own
+                first run is another measured it too, and that measurement is left out (said in
+                `study.merged`)
+    per run     evaluations, diff, entropy, training curves, held-out results, FLOP figures, paired rewards
+    time        `study.seconds`: the pieces' sum
+
+`study.merged` records the pieces (file, runs, whether their base was pooled) and what was left out.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from deltalens.analysis.delta import rel_l2_ratios
+from deltalens.analysis.document import analysis_document
+from deltalens.errors import DeltalensError
+from deltalens.study.config import StudyConfig
+from deltalens.study.flops import flops_summary
+from deltalens.study.plan import t_key
+from deltalens.study.run import BASE_DEFINITION, base_section, mean_curve, study_checks, study_section
+from deltalens.study.runs import TWO_POINT, by_group
+from deltalens.study.verify import config_of, inputs_of, load
+
+# settings that may differ between pieces: what they ran and where, not how anything was measured
+FREE = ("seeds", "methods", "base_seeds", "ray", "cpus_per_run", "gpus_per_run", "ray_files", "report_to")
+
+
+def _order(cfg: StudyConfig, runs: list[dict]) -> list[dict]:
+    """The runs as `run_plan` orders them: groups (the methods, es-n<N>, es-2pt), then seeds."""
+    rank = {g: i for i, g in enumerate([*cfg.methods, *(f"es-n{n}" for n in sorted(cfg.population_sizes)),
+                                        TWO_POINT])}
+    return sorted(runs, key=lambda r: (rank.get(r["group"], len(rank)), r["seed"]))
+
+
+def merged_config(cfgs: list[StudyConfig], names: list[str], base_seeds: int) -> StudyConfig:
+    """The merged study's settings, or a one-line refusal naming the first setting two pieces differ in."""
+    first = cfgs[0].to_dict()
+    for cfg, name in zip(cfgs[1:], names[1:]):
+        d = cfg.to_dict()
+        diff = sorted(k for k in set(first) | set(d) if k not in FREE and first.get(k) != d.get(k))
+        if diff:
+            k = diff[0]
+            raise DeltalensError(f"{name} is a study with other settings than {names[0]} ({k}: {d.get(k)!r} vs "
+                                 f"{first.get(k)!r}{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); "
+                                 "only seeds and methods may differ")
+    methods = list(dict.fromkeys(m for c in cfgs for m in c.methods))
+    seeds = sorted({s for c in cfgs for s in c.seeds})
+    return StudyConfig.from_dict({**first, "methods": methods, "seeds": seeds, "base_seeds": base_seeds},
+                                 source="the merged settings")
+
+
+def merge(paths) -> tuple[dict, list[dict]]:
+    """The merged study's analysis document and its checks (module docstring)."""
+    if len(paths) < 2:
+        raise DeltalensError("give at least two studies to merge")
+    loaded = [load(p) for p in paths]
+    files = [str(f) for f, _ in loaded]
+    if len({str(Path(f).resolve()) for f in files}) < len(files):
+        raise DeltalensError("a study is given twice")
+    docs = [d for _, d in loaded]
+    cfgs = [config_of(d["study"], f) for f, d in zip(files, docs)]
+    pieces = []
+    for f, doc, cfg in zip(files, docs, cfgs):
+        runs = doc["study"].get("runs")
+        if not isinstance(runs, list) or not runs:
+            raise DeltalensError(f"{f}: the study lists no runs")
+        groups = by_group(runs)
+        inputs, task_spec = inputs_of(doc, cfg, groups)
+        pieces.append({"file": f, "doc": doc, "cfg": cfg, "runs": runs, "inputs": inputs, "task_spec": task_spec})
+
+    owner: dict[str, str] = {}
+    for p in pieces:
+        for r in p["runs"]:
+            if r["label"] in owner:
+                raise DeltalensError(f"{r['label']} is in both {owner[r['label']]} and {p['file']}: a run may be "
+                                     "merged once")
+            owner[r["label"]] = p["file"]
+
+    # the base: distinct evaluations pooled (same rows at every temperature = the same evaluations)
+    temps = [t_key(t) for t in cfgs[0].eval_temperatures]
+    pooled, seen = [], []
+    for p in pieces:
+        base = {t: p["inputs"]["evaluations"][t]["base"] for t in temps}
+        key = json.dumps(base, sort_keys=True)
+        p["base_pooled"] = key not in seen
+        if p["base_pooled"]:
+            seen.append(key)
+            pooled.append(p)
+    n_base = sum(len(p["inputs"]["evaluations"][temps[0]]["base"]) for p in pooled)
+    cfg = merged_config(cfgs, files, n_base)
+    runs = _order(cfg, [r for p in pieces for r in p["runs"]])
+    groups = by_group(runs)
+    by_label = {r["label"]: p for p in pieces for r in p["runs"]}
+
+    evaluations = {t: {"base": [ev for p in pooled for ev in p["inputs"]["evaluations"][t]["base"]],
+                       **{r["label"]: by_label[r["label"]]["inputs"]["evaluations"][t][r["label"]] for r in runs}}
+                   for t in temps}
+    first = {m: groups[m][0]["label"] for m in ("es", "grpo") if m in groups}
+    left_out = []
+    sparsity, diversity = {}, {}
+    for m, label in first.items():
+        src = by_label[label]["inputs"]
+        if label not in src["sparsity"]:
+            raise DeltalensError(f"{by_label[label]['file']}: no sparsity sweep of {label}, the merged study's "
+                                 f"first {m} run")
+        sparsity[label] = src["sparsity"][label]
+        if m == "es":
+            if label not in src["diversity"]:
+                raise DeltalensError(f"{by_label[label]['file']}: no population pass around {label}, the merged "
+                                     "study's first es run")
+            diversity[label] = src["diversity"][label]
+    for p in pieces:
+        left_out += [f"{p['file']}: sparsity of {k}" for k in p["inputs"]["sparsity"] if k not in sparsity]
+        left_out += [f"{p['file']}: population pass around {k}" for k in p["inputs"]["diversity"]
+                     if k not in diversity]
+    entropy = {"base": pieces[0]["inputs"]["entropy"]["base"],
+               **{r["label"]: by_label[r["label"]]["inputs"]["entropy"][r["label"]] for r in runs
+                  if r["label"] in by_label[r["label"]]["inputs"]["entropy"]}}
+    diff = {r["label"]: by_label[r["label"]]["doc"]["diff"][r["label"]] for r in runs
+            if r["label"] in (by_label[r["label"]]["doc"].get("diff") or {})}
+    pairs = {k: v for p in pieces for k, v in p["inputs"]["pairs"].items()}
+    inputs = {"evaluations": evaluations, "pairs": pairs, "diff": diff, "sparsity": sparsity, "entropy": entropy,
+              "diversity": diversity}
+    task_spec = next((p["task_spec"] for p in pieces if p["task_spec"]), None)
+    checks, effects_at, sparsify_section = study_checks(cfg, groups, inputs, task_spec)
+
+    vt = cfg.verdict_temperature
+    curve = mean_curve([(p["doc"]["study"]["base"]["curve"], p["doc"]["study"]["base"]["sampling_seeds"])
+                        for p in pooled])
+    base = base_section(cfg, curve, n_base, effects_at[vt])
+    rows = {t: {k: [ev["per_problem"] for ev in v] if k == "base" else v["per_problem"] for k, v in evs.items()}
+            for t, evs in evaluations.items()}  # as the study writes them: the per-problem rows
+    data = {"base_definition": BASE_DEFINITION, "temperature": vt, "evaluations": rows,
+            "sparsity": sparsity, "entropy": entropy}
+    flops = flops_summary({r["label"]: by_label[r["label"]]["doc"]["study"]["flops"]["runs"][r["label"]]
+                           for r in runs}, runs, pieces[0]["doc"]["study"]["flops"]["tolerance"])
+    seconds = [p["doc"]["study"].get("seconds") for p in pieces]
+    study = study_section(cfg, checks, effects_at, base, runs, data, flops,
+                          round(sum(seconds), 1) if all(isinstance(s, (int, float)) for s in seconds) else None)
+    study["merged"] = {"pieces": [{"file": p["file"], "runs": [r["label"] for r in p["runs"]],
+                                   "base": "pooled" if p["base_pooled"] else "equal to an earlier piece's: counted once"}
+                                  for p in pieces],
+                       "left_out": left_out}
+
+    def section(name: str) -> dict:
+        out = {}
+        for r in runs:
+            sec = by_label[r["label"]]["doc"].get(name) or {}
+            if r["label"] in sec:
+                out[r["label"]] = sec[r["label"]]
+        return out
+
+    held = pieces[0]["doc"].get("held_out") or {}
+    held_out = {**({"base": held["base"]} if "base" in held else {}), **section("held_out")}
+    evals = {"base": pieces[0]["doc"]["evals"]["base"], **section("evals")}
+    models = [m for r in runs for m in by_label[r["label"]]["doc"]["models"] if m.get("label") == r["label"]]
+    doc = analysis_document(cfg.model, models, diff=diff, ratios=rel_l2_ratios(diff), evals=evals,
+                            sparsify=sparsify_section or None, diversity=diversity or None,
+                            training=section("training") or None, held_out=held_out or None, study=study)
+    return {k: v for k, v in doc.items() if v is not None}, checks

@@ -1,0 +1,107 @@
+"""`deltalens study merge`: a study assembled from pieces run apart. The known answer: the published tiny
+claims-6/7 study (docs/, 3 seeds) cut into its seed-0 piece and its seeds-1-2 piece (as two sittings would have
+written them) merges back into exactly the published checks and verdicts."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+from pathlib import Path
+
+from support import run_cli
+
+from deltalens.study.verify import compare, verify
+
+PUBLISHED = Path(__file__).resolve().parents[2] / "docs" / "tiny-claims67-scaled-2026-12-06"
+
+
+def _published() -> dict:
+    return json.loads(gzip.open(PUBLISHED / "analysis.json.gz").read())
+
+
+def piece(doc: dict, seeds: list[int]) -> dict:
+    """What a study of these seeds alone would have written: its runs, the base, and each section's entries
+    of its runs (its sparsity and population pass: of its own first runs, when it has them)."""
+    d = copy.deepcopy(doc)
+    st = d["study"]
+    st["runs"] = [r for r in st["runs"] if r["seed"] in seeds]
+    labels = {r["label"] for r in st["runs"]}
+    st["config"]["seeds"] = list(seeds)
+    for t, ev in st["data"]["evaluations"].items():
+        st["data"]["evaluations"][t] = {k: v for k, v in ev.items() if k == "base" or k in labels}
+    st["data"]["entropy"] = {k: v for k, v in st["data"]["entropy"].items() if k == "base" or k in labels}
+    st["data"]["sparsity"] = {k: v for k, v in st["data"]["sparsity"].items() if k in labels}
+    for sec in ("diff", "evals", "training", "diversity", "sparsify"):
+        d[sec] = {k: v for k, v in d[sec].items() if k == "base" or k in labels}
+    d["models"] = [m for m in d["models"] if m["label"] in labels]
+    st["flops"]["runs"] = {k: v for k, v in st["flops"]["runs"].items() if k in labels}
+    return d
+
+
+def _write(path: Path, doc: dict) -> Path:
+    path.mkdir(parents=True)
+    (path / "analysis.json").write_text(json.dumps(doc))
+    return path
+
+
+def test_two_sittings_merge_into_the_published_study(tmp_path):
+    doc = _published()
+    a, b = _write(tmp_path / "a", piece(doc, [0])), _write(tmp_path / "b", piece(doc, [1, 2]))
+    r = run_cli(["study", "merge", str(a), str(b), "--out", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    merged = json.loads((tmp_path / "m" / "analysis.json").read_text())
+    derived = [c for cl in merged["study"]["claims"] for c in cl["checks"]]
+    rows = compare([c for cl in doc["study"]["claims"] for c in cl["checks"]], derived)
+    assert len(rows) == 17 and all(r["status"] == "identical" for r in rows), [r for r in rows if r["fields"]]
+    assert [cl["verdict"] for cl in merged["study"]["claims"]] == [cl["verdict"] for cl in doc["study"]["claims"]]
+    assert merged["study"]["config"]["seeds"] == [0, 1, 2]
+    assert [r["label"] for r in merged["study"]["runs"]] == [r["label"] for r in doc["study"]["runs"]]
+    # both sittings evaluated the same base (same machine, same sampling seeds): counted once
+    assert merged["study"]["base"]["sampling_seeds"] == 3 and merged["study"]["base"] == doc["study"]["base"]
+    assert [p["base"] for p in merged["study"]["merged"]["pieces"]] == [
+        "pooled", "equal to an earlier piece's: counted once"]
+    assert merged["study"]["flops"]["groups"] == doc["study"]["flops"]["groups"]
+    for name in ("report.html", "verdicts.csv", "verdicts.md"):
+        assert (tmp_path / "m" / name).is_file()
+    assert verify(tmp_path / "m")["ok"]
+
+
+def test_a_base_evaluated_elsewhere_is_pooled(tmp_path):
+    doc = _published()
+    b = piece(doc, [1, 2])
+    for t in b["study"]["data"]["evaluations"].values():  # another machine's kernels: one sample differs
+        row = next(r for r in t["base"][0] if 0 < r["correct"] < r["n"])
+        row["correct"] -= 1
+    a, b = _write(tmp_path / "a", piece(doc, [0])), _write(tmp_path / "b", b)
+    r = run_cli(["study", "merge", str(a), str(b), "--out", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    merged = json.loads((tmp_path / "m" / "analysis.json").read_text())
+    assert merged["study"]["base"]["sampling_seeds"] == 6 and merged["study"]["config"]["base_seeds"] == 6
+    assert [p["base"] for p in merged["study"]["merged"]["pieces"]] == ["pooled", "pooled"]
+    assert len(merged["study"]["data"]["evaluations"]["0.6"]["base"]) == 6
+    assert verify(tmp_path / "m")["ok"]
+
+
+def test_pieces_that_cannot_merge_are_refused_in_one_line(tmp_path):
+    doc = _published()
+    a = _write(tmp_path / "a", piece(doc, [0]))
+    a2 = _write(tmp_path / "a2", piece(doc, [0]))
+    other = piece(doc, [1, 2])
+    other["study"]["config"]["limit"] = 200
+    o = _write(tmp_path / "o", other)
+    bad = piece(doc, [1, 2])
+    bad["study"]["config"]["samples"] = 16  # K = 32 cannot be computed from 16 samples: the file is named
+    bad = _write(tmp_path / "bad", bad)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for args, message in (([a, a2], "es-s0 is in both"), ([a, o], "other settings"), ([a], "at least two"),
+                          ([a, a], "given twice"), ([a, bad], f"{bad / 'analysis.json'}: study.config: --k must")):
+        r = run_cli(["study", "merge", *map(str, args), "--out", str(tmp_path / "m")])
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and message in lines[0], r.output
+    assert "limit: 200 vs 300" in run_cli(["study", "merge", str(a), str(o), "--out", str(tmp_path / "m")]).output
+    # into an input's own directory: the output guard, before anything is read or written
+    r = run_cli(["study", "merge", str(a), str(_write(tmp_path / "b", piece(doc, [1, 2]))), "--out", str(a)])
+    assert r.exit_code == 2 and "error:" in r.output
+    assert json.loads((a / "analysis.json").read_text()) == piece(doc, [0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "b"])
