@@ -191,11 +191,11 @@ def seen(monkeypatch) -> Seen:
     import deltalens.evaluation
     import deltalens.generation
     import deltalens.generation.vllm
+    import deltalens.study.merge
     import deltalens.study.run
     import deltalens.study.scale
-    import deltalens.study.merge
-    import deltalens.study.verify
     import deltalens.study.sweep
+    import deltalens.study.verify
     import deltalens.training.launch
     import deltalens.training.trained
     from deltalens.tasks import get_task
