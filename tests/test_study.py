@@ -44,6 +44,9 @@ def test_study_resumes_after_a_kill_and_redoes_nothing(tmp_path, monkeypatch):
     validate(doc)
     # runs are named relative to the study directory: the report reads the same wherever the study moved
     assert [r["dir"] for r in doc["study"]["runs"]][:2] == ["runs/es-s0", "runs/es-s1"]
+    # each run's config.json, so a merge of studies run apart can compare their hyperparameters
+    assert [(r["config"]["method"], r["config"]["seed"]) for r in doc["study"]["runs"]][:3] == [
+        ("es", 0), ("es", 1), ("grpo", 0)]
     assert {m["label"]: m["path"] for m in doc["models"]}["grpo-s1"] == "runs/grpo-s1"
     assert str(tmp_path) not in (out / "report.html").read_text()
     assert doc["diversity"]["es-s0"]["model"] == "runs/es-s0"

@@ -24,6 +24,10 @@ What a merge requires and takes, piece by piece (documents in the order given):
                 first run (lowest seed) in the merged study, from the piece that has it; a piece whose own
                 first run is another measured it too, and that measurement is left out (said in
                 `study.merged`)
+    hyper-      the runs of one group trained at one setting: each run's config.json as the study records it
+    parameters  (`study.runs[].config`, since 2026-12-06) equal across pieces but for fields that do not
+                change what it trains (RUN_FREE: the seed, logging, checkpoints, batching, device); a piece
+                older than that records none, and the merge says so in `study.merged.notes`
     per run     evaluations, diff, entropy, training curves, held-out results, FLOP figures, paired rewards
     time        `study.seconds`: the pieces' sum
 
@@ -47,6 +51,57 @@ from deltalens.study.verify import config_of, inputs_of, load
 
 # settings that may differ between pieces: what they ran and where, not how anything was measured
 FREE = ("seeds", "methods", "base_seeds", "ray", "cpus_per_run", "gpus_per_run", "ray_files", "report_to")
+# a run's config.json fields that do not change what it trains: the seed (differs by design), logging,
+# checkpointing, validation passes, how the work is batched or where it runs, the version string
+RUN_FREE = ("seed", "eval_every", "eval_limit", "checkpoint_every", "save_every", "save_steps", "save_pt",
+            "report_to", "logging_steps", "noise_threads", "population_batch", "max_micro_batch", "backend",
+            "device", "deltalens_version")
+
+
+# paths that name where a run's pieces lie (a chain's stage directories, the stage it starts from): they
+# differ between studies by design; inside a chain's stages, `model` is such a path too
+RUN_PATHS = ("dir", "init_from", "out")
+
+
+def _settings(config, depth: int = 0):
+    """A run's config without RUN_FREE and RUN_PATHS fields, at every depth (a chain's `stages`)."""
+    if isinstance(config, list):
+        return [_settings(v, depth + 1) for v in config]
+    if not isinstance(config, dict):
+        return config
+    drop = {*RUN_FREE, *RUN_PATHS, *(("model",) if depth else ())}
+    return {k: _settings(v, depth + 1) for k, v in config.items() if k not in drop}
+
+
+def run_settings(runs: list[dict], by_label: dict) -> list[str]:
+    """Refuse runs of one group trained with other hyperparameters in different pieces (a preset changed
+    between sittings): each run's recorded config.json (`study.runs[].config`, since 2026-12-06) against the
+    group's first run, fields in RUN_FREE aside. Returns notes on what could not be compared."""
+    notes = []
+    for rs in by_group(runs).values():
+        ref = rs[0]
+        for r in rs[1:]:
+            a, b = ref.get("config"), r.get("config")
+            if by_label[r["label"]] is by_label[ref["label"]]:
+                continue  # one piece: one study's plan
+            if not isinstance(a, dict) or not isinstance(b, dict):
+                notes.append(f"{r['label']} vs {ref['label']}: hyperparameters not recorded in "
+                             f"{by_label[(ref if not isinstance(a, dict) else r)['label']]['file']} (a study before "
+                             "2026-12-06): only the study settings were compared")
+                continue
+            sa, sb = _settings(a), _settings(b)
+            diff = sorted(k for k in set(sa) & set(sb) if sa[k] != sb[k])
+            if diff:
+                k = diff[0]
+                raise DeltalensError(f"{r['label']} ({by_label[r['label']]['file']}) trained with other settings "
+                                     f"than {ref['label']} ({k}: {sb[k]!r} vs {sa[k]!r}"
+                                     f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); a merged group "
+                                     "must be one method at one setting")
+            missing = sorted(set(sa) ^ set(sb))
+            if missing:
+                notes.append(f"{r['label']} vs {ref['label']}: fields recorded in one config only (another "
+                             f"deltalens version), not compared: {', '.join(missing)}")
+    return notes
 
 
 def _order(cfg: StudyConfig, runs: list[dict]) -> list[dict]:
@@ -115,6 +170,7 @@ def merge(paths) -> tuple[dict, list[dict]]:
     runs = _order(cfg, [r for p in pieces for r in p["runs"]])
     groups = by_group(runs)
     by_label = {r["label"]: p for p in pieces for r in p["runs"]}
+    notes = run_settings(runs, by_label)
 
     evaluations = {t: {"base": [ev for p in pooled for ev in p["inputs"]["evaluations"][t]["base"]],
                        **{r["label"]: by_label[r["label"]]["inputs"]["evaluations"][t][r["label"]] for r in runs}}
@@ -164,7 +220,7 @@ def merge(paths) -> tuple[dict, list[dict]]:
     study["merged"] = {"pieces": [{"file": p["file"], "runs": [r["label"] for r in p["runs"]],
                                    "base": "pooled" if p["base_pooled"] else "equal to an earlier piece's: counted once"}
                                   for p in pieces],
-                       "left_out": left_out}
+                       "left_out": left_out, "notes": notes}
 
     def section(name: str) -> dict:
         out = {}

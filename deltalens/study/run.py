@@ -38,6 +38,7 @@ from deltalens.analysis.report import training_section, weights_hash  # noqa: F4
 from deltalens.errors import DeltalensError
 from deltalens.io.atomic import atomic_path, pin_json, write_json_atomic
 from deltalens.io.outputs import Output, check_outputs
+from deltalens.io.runs import RunDir
 from deltalens.study import measures
 from deltalens.study.checks import (  # noqa: F401  (re-exported: `from deltalens.study.run import ...`)
     EMBED_HEAD,
@@ -231,7 +232,7 @@ def analyse(cfg: StudyConfig, out: Path, plan: list[dict], results: dict, second
                                        **{lab: _rows(ev) for lab, ev in run_evals[t].items()}} for t in temps},
             "sparsity": inputs["sparsity"], "entropy": entropy}
     runs = [{"label": r["label"], "group": r["group"], "method": r["method"], "seed": r["seed"],
-             "dir": shown(r["dir"], out), "total": r["total"]} for r in plan]
+             "dir": shown(r["dir"], out), "total": r["total"], "config": RunDir(r["dir"]).config()} for r in plan]
     study = study_section(cfg, checks, effects_at, study_base(cfg, base_evals[vt], effects), runs, data,
                           study_flops(plan), seconds())
     evals = {"base": base_evals[vt][0], **run_evals[vt]}

@@ -64,7 +64,38 @@ def test_two_sittings_merge_into_the_published_study(tmp_path):
     assert merged["study"]["flops"]["groups"] == doc["study"]["flops"]["groups"]
     for name in ("report.html", "verdicts.csv", "verdicts.md"):
         assert (tmp_path / "m" / name).is_file()
+    # the published study predates recorded run configs: said, not silently passed
+    assert any("hyperparameters not recorded" in n for n in merged["study"]["merged"]["notes"])
     assert verify(tmp_path / "m")["ok"]
+
+
+def _with_configs(doc: dict, change: dict | None = None) -> dict:
+    """Each run's config.json as a study records it since 2026-12-06 (a chain-like nested stage included)."""
+    for r in doc["study"]["runs"]:
+        r["config"] = {"method": "es", "alpha": 1e-3, "population": 32, "seed": r["seed"], "eval_every": 10,
+                       "deltalens_version": "0.1.0",
+                       "stages": [{"dir": f"runs/{r['label']}/es", "config": {"seed": r["seed"], "sigma": 1e-3,
+                                                                               "model": f"runs/{r['label']}"}}]}
+        if change and r["seed"] > 0:
+            r["config"].update(change)
+    return doc
+
+
+def test_runs_trained_at_other_settings_are_refused(tmp_path):
+    doc = _published()
+    a = _write(tmp_path / "a", _with_configs(piece(doc, [0])))
+    # seeds, logging, versions and the stages' own paths differ between sittings: the same setting
+    b = _with_configs(piece(doc, [1, 2]), {"eval_every": 0, "deltalens_version": "0.2.0"})
+    r = run_cli(["study", "merge", str(a), str(_write(tmp_path / "b", b)), "--out", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "m" / "analysis.json").read_text())["study"]["merged"]["notes"] == []
+    # a preset that changed between sittings
+    c = _with_configs(piece(doc, [1, 2]), {"alpha": 2e-3})
+    r = run_cli(["study", "merge", str(a), str(_write(tmp_path / "c", c)), "--out", str(tmp_path / "m2")])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and "trained with other settings than es-s0 (alpha: 0.002 vs 0.001" \
+        in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "m2").exists()
 
 
 def test_a_base_evaluated_elsewhere_is_pooled(tmp_path):
