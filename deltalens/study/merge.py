@@ -47,7 +47,8 @@ from deltalens.study.flops import flops_summary
 from deltalens.study.plan import t_key
 from deltalens.study.run import BASE_DEFINITION, base_section, mean_curve, study_checks, study_section
 from deltalens.study.runs import TWO_POINT, by_group
-from deltalens.study.verify import config_of, inputs_of, load
+from deltalens.study.scale import read_study
+from deltalens.study.verify import config_of, inputs_of
 
 # settings that may differ between pieces: what they ran and where, not how anything was measured
 FREE = ("seeds", "methods", "base_seeds", "ray", "cpus_per_run", "gpus_per_run", "ray_files", "report_to")
@@ -132,7 +133,7 @@ def merge(paths) -> tuple[dict, list[dict]]:
     """The merged study's analysis document and its checks (module docstring)."""
     if len(paths) < 2:
         raise DeltalensError("give at least two studies to merge")
-    loaded = [load(p) for p in paths]
+    loaded = [read_study(p) for p in paths]
     files = [str(f) for f, _ in loaded]
     if len({str(Path(f).resolve()) for f in files}) < len(files):
         raise DeltalensError("a study is given twice")

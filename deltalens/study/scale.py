@@ -69,27 +69,32 @@ def study_file(path) -> Path:
     return next((p / n for n in ANALYSIS_NAMES if (p / n).is_file()), p / ANALYSIS_NAMES[0])
 
 
-def load_study(path) -> tuple[Path, dict]:
-    """(the study directory, its analysis.json) for STUDY_DIR (or its analysis.json, or `study_file`'s
-    analysis.json.gz); refused in one line when missing, unreadable, not a study's, or without claim 6's
-    population-size runs."""
-    p = Path(path)
-    f = study_file(p)
-    d = p if p.is_dir() else p.parent
+def read_study(path) -> tuple[Path, dict]:
+    """(the analysis file, its document) for a study directory, its analysis.json or a published
+    analysis.json.gz (`study_file`); refused in one line when missing, unreadable or not a study's."""
+    f = study_file(path)
     if not f.is_file():
-        raise DeltalensError(f"{path}: no analysis.json or analysis.json.gz (give a finished study's directory)")
+        raise DeltalensError(f"{path}: no analysis.json or analysis.json.gz (give a finished study's directory "
+                             "or its analysis file)")
     try:
         doc = json.loads(read_text(f))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DeltalensError(f"{f}: not readable as JSON ({e})") from None
     study = doc.get("study") if isinstance(doc, dict) else None
     if not isinstance(study, dict) or not isinstance(study.get("claims"), list):
-        raise DeltalensError(f"{path}: its analysis.json is not a study's (no study section); "
-                             "run `deltalens study` first")
+        raise DeltalensError(f"{f}: not a study's analysis (no study section); run `deltalens study` first")
+    return f, doc
+
+
+def load_study(path) -> tuple[Path, dict]:
+    """(the study directory, its analysis.json) for STUDY_DIR (`read_study`); also refused without claim 6's
+    population-size runs."""
+    p = Path(path)
+    _, doc = read_study(p)
     if not population_checks(doc):
         raise DeltalensError(f"{path}: the study has no population-size runs (claim 6); rerun it with "
                              "--population-sizes 4,8,16")
-    return d, doc
+    return p if p.is_dir() else p.parent, doc
 
 
 def population_checks(doc: dict) -> list[dict]:

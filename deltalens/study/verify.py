@@ -24,37 +24,18 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 from deltalens.errors import DeltalensError
-from deltalens.schema import read_text
 from deltalens.study.claims import claims_of
 from deltalens.study.config import StudyConfig
 from deltalens.study.run import study_checks
 from deltalens.study.runs import TWO_POINT, by_group
-from deltalens.study.scale import study_file
+from deltalens.study.scale import read_study
 
 RTOL = 1e-9  # floats re-derived from the same inputs by the same code agree to rounding
 # what the document adds to a study's config (`analyse`): the resolved budget and preset, the verdict
 # temperature and every evaluated temperature
 _DERIVED = ("temperature", "temperatures")
-
-
-def load(path) -> tuple[Path, dict]:
-    """(the analysis file, its document) for a study directory, its analysis.json or a published
-    analysis.json.gz; refused in one line when missing, unreadable or not a study's."""
-    f = study_file(path)
-    if not f.is_file():
-        raise DeltalensError(f"{path}: no analysis.json or analysis.json.gz (give a finished study's directory "
-                             "or its analysis file)")
-    try:
-        doc = json.loads(read_text(f))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DeltalensError(f"{f}: not readable as JSON ({e})") from None
-    study = doc.get("study") if isinstance(doc, dict) else None
-    if not isinstance(study, dict) or not isinstance(study.get("claims"), list):
-        raise DeltalensError(f"{f}: not a study's analysis (no study section); run `deltalens study` first")
-    return f, doc
 
 
 def config_of(study: dict, where: str = "the document") -> StudyConfig:
@@ -156,7 +137,7 @@ def compare(stated: list[dict], derived: list[dict]) -> list[dict]:
 def verify(path) -> dict:
     """Re-derive the study at `path` (module docstring): {"file", "checks": n, "identical": n, "differing": [rows
     of `compare` that are not identical], "claims": [{id, stated, derived}], "ok": bool, "rows": every row}."""
-    f, doc = load(path)
+    f, doc = read_study(path)
     study = doc["study"]
     cfg = config_of(study, str(f))
     runs = _need(study, "runs", "study.")
