@@ -114,9 +114,16 @@ def _plain(v):
 def compare(stated: list[dict], derived: list[dict]) -> list[dict]:
     """Per check (claim, name): "identical", or "differs" with the fields that differ, or "not re-derived"
     (stated only) / "not stated" (derived only)."""
-    key = lambda c: (c.get("claim"), c.get("check"))
-    have = {key(c): c for c in stated}
-    got = {key(c): _plain(c) for c in derived}
+    def keyed(checks):  # (claim, name, occurrence): a name given twice is two checks, compared in order
+        seen: dict = {}
+        out = {}
+        for c in checks:
+            k = (c.get("claim"), c.get("check"))
+            seen[k] = seen.get(k, -1) + 1
+            out[(*k, seen[k])] = c
+        return out
+
+    have, got = keyed(stated), {k: _plain(c) for k, c in keyed(derived).items()}
     out = []
     for k in [*have, *(k for k in got if k not in have)]:
         row = {"claim": k[0], "check": k[1]}

@@ -93,3 +93,6 @@ def test_compare_on_known_rows():
     assert rows["a"]["status"] == "identical" and rows["a"]["added"] == ["new"]
     assert rows["b"]["status"] == "differs" and list(rows["b"]["fields"]) == ["estimate"]
     assert rows["gone"]["status"] == "not re-derived" and rows["extra"]["status"] == "not stated"
+    # a name stated twice is two checks: the second is not hidden behind the first
+    twice = compare([stated[1], {**stated[1], "estimate": 0.2}], [stated[1], stated[1]])
+    assert [r["status"] for r in twice] == ["identical", "differs"]
