@@ -140,6 +140,11 @@ def test_the_task_graph_declares_its_work():
     assert set(tasks["diff"].deps) == {f"train:{r['label']}" for r in plan}
     assert {(t.cpus, t.gpus) for t in tasks.values()} == {(2.0, 0.5)}
     pickle.dumps(list(tasks.values()))  # a Ray worker gets them by reference
+    # a piece of a study whose first seeds ran elsewhere: no sparsity sweep, no population pass
+    piece = StudyConfig(model="tiny", methods=("es", "grpo"), seeds=(1,), first_run_measures=False)
+    keys = {t.key for t in study_tasks(piece, study_run.run_plan(piece, Path("s")))}
+    assert not [k for k in keys if k.startswith(("sparsity:", "diversity:"))]
+    assert {"train:es-s1", "eval:es-s1:t0.6", "entropy:es-s1", "diff"} <= keys
     more = StudyConfig(model="tiny", methods=("es",), seeds=(0,), population_sizes=(8, 4), two_point=True)
     runs = {r["label"]: r for r in study_run.run_plan(more, Path("s"))}
     assert list(runs) == ["es-s0", "es-n4-s0", "es-n8-s0", "es-n16-s0", "es-2pt-s0"]  # es-n16: claim 7's reference

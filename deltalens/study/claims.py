@@ -27,6 +27,9 @@ CLAIMS = {
 }
 PAPER_CLAIMS = (1, 2, 3, 4, 5, 6, 7)
 NOT_RUN = {6: "not run (use --population-sizes 4,8,16)", 7: "not run (use --two-point)"}
+# claims a piece run with --no-first-run-measures leaves to the piece that holds the first seeds
+FIRST_RUN_NOT_RUN = {c: "not measured in this piece (--no-first-run-measures): `deltalens study merge` takes it "
+                        "from the piece with the first seeds" for c in (3, 9, 10)}
 
 SEED_SPREAD = ("Seed spread: the checks of claims 1, 2, 4, 5, 6, 7 and 8 carry the spread over training seeds (a "
                "Student-t seed part in the bootstrap, or a t interval over per-seed values; none for a method "
@@ -48,10 +51,11 @@ def temperature_text(temps, verdict_t: float) -> str:
             "sampled warmer would solve as much. Every other measurement uses T=" f"{verdict_t:g}.")
 
 
-def claims_of(checks: list[dict], *, ran: set[int] | None = None) -> list[dict]:
+def claims_of(checks: list[dict], *, ran: set[int] | None = None, not_run: dict | None = None) -> list[dict]:
     """The verdict table's sections: every claim with checks, and paper claims 6 and 7 as "not run" when
-    their runs are absent. A check with `"in_verdict": False` (another temperature; claim 7's paired-reward
-    correlation) is shown, not counted."""
+    their runs are absent (and those of `not_run`: claim -> note). A check with `"in_verdict": False` (another
+    temperature; claim 7's paired-reward correlation) is shown, not counted."""
+    notes = {**NOT_RUN, **(not_run or {})}
     out = []
     for cid, title in CLAIMS.items():
         mine = [c for c in checks if c["claim"] == cid]
@@ -59,7 +63,7 @@ def claims_of(checks: list[dict], *, ran: set[int] | None = None) -> list[dict]:
             counted = [c for c in mine if c.get("in_verdict", True)] or mine
             out.append({"id": cid, "title": title, "checks": mine, "verdict": claim_verdict(counted),
                         "ours": cid not in PAPER_CLAIMS})
-        elif cid in NOT_RUN and (ran is None or cid not in ran):
-            out.append({"id": cid, "title": title, "checks": [], "verdict": "not run", "note": NOT_RUN[cid],
-                        "ours": False})
+        elif cid in notes and (ran is None or cid not in ran):
+            out.append({"id": cid, "title": title, "checks": [], "verdict": "not run", "note": notes[cid],
+                        "ours": cid not in PAPER_CLAIMS})
     return out

@@ -94,6 +94,10 @@ class StudyConfig(Config):
     diversity_members: int = option(8, "ES population size of the diversity measurement (claims 9 and 10)")
     diversity_prompts: int = option(16, "test prompts of the diversity measurement")
     entropy_prompts: int = option(100, "test prompts of the token-entropy measurement (claim 8)")
+    first_run_measures: bool = option(True, "the sparsity sweep (claim 3) and the population pass (claims 9, 10) of "
+                                      "each method's first run; --no-first-run-measures for a piece of a study "
+                                      "whose first seeds ran elsewhere (`deltalens study merge` takes them from "
+                                      "there)")
     held_out: tuple[str, ...] = option((), "held-out tasks evaluated for forgetting, comma-separated (e.g. arith-3)")
     chat_template: str = option("auto", "prompts through the tokenizer's chat template: auto, on, off")
     backend: str = option("hf", "backend of the Pass@K and sparsity evaluations: hf, or vllm (docs/vllm.md); "

@@ -51,7 +51,8 @@ from deltalens.study.scale import read_study
 from deltalens.study.verify import config_of, inputs_of
 
 # settings that may differ between pieces: what they ran and where, not how anything was measured
-FREE = ("seeds", "methods", "base_seeds", "ray", "cpus_per_run", "gpus_per_run", "ray_files", "report_to")
+FREE = ("seeds", "methods", "base_seeds", "first_run_measures", "ray", "cpus_per_run", "gpus_per_run", "ray_files",
+        "report_to")
 # a run's config.json fields that do not change what it trains: the seed (differs by design), logging,
 # checkpointing, validation passes, how the work is batched or where it runs, the version string
 RUN_FREE = ("seed", "eval_every", "eval_limit", "checkpoint_every", "save_every", "save_steps", "save_pt",
@@ -125,8 +126,8 @@ def merged_config(cfgs: list[StudyConfig], names: list[str], base_seeds: int) ->
                                  "only seeds and methods may differ")
     methods = list(dict.fromkeys(m for c in cfgs for m in c.methods))
     seeds = sorted({s for c in cfgs for s in c.seeds})
-    return StudyConfig.from_dict({**first, "methods": methods, "seeds": seeds, "base_seeds": base_seeds},
-                                 source="the merged settings")
+    return StudyConfig.from_dict({**first, "methods": methods, "seeds": seeds, "base_seeds": base_seeds,
+                                  "first_run_measures": True}, source="the merged settings")
 
 
 def merge(paths) -> tuple[dict, list[dict]]:
@@ -145,7 +146,7 @@ def merge(paths) -> tuple[dict, list[dict]]:
         if not isinstance(runs, list) or not runs:
             raise DeltalensError(f"{f}: the study lists no runs")
         groups = by_group(runs)
-        inputs, task_spec = inputs_of(doc, cfg, groups)
+        inputs, task_spec = inputs_of(doc, cfg, groups, f)
         pieces.append({"file": f, "doc": doc, "cfg": cfg, "runs": runs, "inputs": inputs, "task_spec": task_spec})
 
     owner: dict[str, str] = {}
@@ -183,12 +184,13 @@ def merge(paths) -> tuple[dict, list[dict]]:
         src = by_label[label]["inputs"]
         if label not in src["sparsity"]:
             raise DeltalensError(f"{by_label[label]['file']}: no sparsity sweep of {label}, the merged study's "
-                                 f"first {m} run")
+                                 f"first {m} run (run with --no-first-run-measures?): the piece with each method's "
+                                 "lowest seed must have measured it")
         sparsity[label] = src["sparsity"][label]
         if m == "es":
             if label not in src["diversity"]:
                 raise DeltalensError(f"{by_label[label]['file']}: no population pass around {label}, the merged "
-                                     "study's first es run")
+                                     "study's first es run (run with --no-first-run-measures?)")
             diversity[label] = src["diversity"][label]
     for p in pieces:
         left_out += [f"{p['file']}: sparsity of {k}" for k in p["inputs"]["sparsity"] if k not in sparsity]

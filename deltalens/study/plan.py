@@ -51,7 +51,7 @@ def study_tasks(cfg: StudyConfig, plan: list[dict]) -> list[Task]:
             measure(f"eval:{r['label']}:t{t_key(t)}", measures.eval_task, r["label"], 0, t, label=r["label"])
     measure("diff", measures.diff_task, deps=tuple(trained.values()), kind="diff")
     for meth in ("es", "grpo"):
-        if meth in groups:
+        if meth in groups and cfg.first_run_measures:
             r0 = groups[meth][0]
             measure(f"sparsity:{r0['label']}", sparsity.sparsity_task, r0["label"], label=r0["label"],
                     kind="sparsify")
@@ -59,7 +59,7 @@ def study_tasks(cfg: StudyConfig, plan: list[dict]) -> list[Task]:
     for meth in ("es", "grpo"):
         for r in groups.get(meth, []):
             measure(f"entropy:{r['label']}", measures.entropy_task, r["label"], label=r["label"], kind="entropy")
-    if "es" in groups:
+    if "es" in groups and cfg.first_run_measures:
         r0 = groups["es"][0]
         measure(f"diversity:{r0['label']}", diversity.diversity_task, r0["label"], label=r0["label"],
                 kind="diversity")

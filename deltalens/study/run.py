@@ -52,7 +52,7 @@ from deltalens.study.checks import (  # noqa: F401  (re-exported: `from deltalen
     pair_checks,
     two_point_pairs,
 )
-from deltalens.study.claims import CLAIMS, SEED_SPREAD, claims_of, temperature_text  # noqa: F401
+from deltalens.study.claims import CLAIMS, FIRST_RUN_NOT_RUN, SEED_SPREAD, claims_of, temperature_text  # noqa: F401
 from deltalens.study.cluster import executor_for
 from deltalens.study.config import StudyConfig
 from deltalens.study.diversity import JS_ESTIMATOR, diversity_checks
@@ -138,7 +138,9 @@ def study_section(cfg: StudyConfig, checks: list[dict], effects_at: dict, base: 
     study = {"config": {**cfg.to_dict(), "budget": study_budget(cfg), "preset": preset_of(cfg),
                         "temperature": vt, "temperatures": list(temps)},
              "rule": f"{stats.rule_text(cfg.noninferiority_margin)} {SEED_SPREAD} {temperature_text(temps, vt)}",
-             "claims": claims_of(checks, ran={c["claim"] for c in checks}), "effects": effects_summary(effects_at[vt]),
+             "claims": claims_of(checks, ran={c["claim"] for c in checks},
+                                 not_run=None if cfg.first_run_measures else FIRST_RUN_NOT_RUN),
+             "effects": effects_summary(effects_at[vt]),
              "base": base, "js_estimator": JS_ESTIMATOR, "runs": runs, "data": data, "flops": flops,
              "seconds": seconds}
     if len(temps) > 1:
@@ -182,8 +184,8 @@ def study_checks(cfg: StudyConfig, groups: dict[str, list[dict]], inputs: dict,
         checks += distance_checks(cfg, inputs["diff"], R)
 
     sparsify_section = {}
-    for meth in ("es", "grpo"):
-        if meth in groups:
+    for meth in ("es", "grpo"):  # absent: a piece run with --no-first-run-measures
+        if meth in groups and groups[meth][0]["label"] in inputs["sparsity"]:
             label = groups[meth][0]["label"]
             a = sparsity_analysis(cfg, inputs["sparsity"][label], meth,
                                   task_spec if task_spec is not None else get_task(cfg.task).spec, R)
@@ -192,7 +194,7 @@ def study_checks(cfg: StudyConfig, groups: dict[str, list[dict]], inputs: dict,
 
     ent = {meth: [inputs["entropy"][r["label"]] for r in groups[meth]] for meth in ("es", "grpo") if meth in groups}
     checks += entropy_checks(inputs["entropy"]["base"], ent, R)
-    if "es" in groups:
+    if "es" in groups and groups["es"][0]["label"] in inputs["diversity"]:
         checks += diversity_checks(inputs["diversity"][groups["es"][0]["label"]], R)
     adjust(checks)  # Holm over every check of the study: the verdicts are the adjusted ones
     return checks, effects_at, sparsify_section
@@ -209,7 +211,7 @@ def analyse(cfg: StudyConfig, out: Path, plan: list[dict], results: dict, second
         run_evals[t] = {r["label"]: read_result(out, results[f"eval:{r['label']}:t{t_key(t)}"]) for r in plan}
     diff_doc = read_result(out, results["diff"])
     diffs = diff_doc["diff"]
-    first = {meth: groups[meth][0]["label"] for meth in ("es", "grpo") if meth in groups}
+    first = {meth: groups[meth][0]["label"] for meth in ("es", "grpo") if meth in groups and cfg.first_run_measures}
     entropy = {"base": results["entropy:base"]["entropy"],
                **{r["label"]: results[f"entropy:{r['label']}"]["entropy"]
                   for m in ("es", "grpo") if m in groups for r in groups[m]}}

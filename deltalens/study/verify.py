@@ -52,15 +52,19 @@ def config_of(study: dict, where: str = "the document") -> StudyConfig:
         raise DeltalensError(f"{where}: study.config: {e}") from None
 
 
-def _need(d: dict, key: str, where: str):
+def _need_in(d: dict, key: str, where: str, doc: str = "the document"):
     if not isinstance(d, dict) or key not in d:
-        raise DeltalensError(f"the document has no {where}{key}: it cannot be re-derived (written by a deltalens "
+        raise DeltalensError(f"{doc} has no {where}{key}: it cannot be re-derived (written by a deltalens "
                              "that did not publish it)")
     return d[key]
 
 
-def inputs_of(doc: dict, cfg: StudyConfig, groups: dict) -> tuple[dict, str | None]:
-    """`study_checks`' inputs from the document (module docstring), and the task spec of its sparsify section."""
+def inputs_of(doc: dict, cfg: StudyConfig, groups: dict, file: str = "the document") -> tuple[dict, str | None]:
+    """`study_checks`' inputs from the document (module docstring), and the task spec of its sparsify section;
+    `file` names the document in a refusal."""
+    def _need(d, key, where):
+        return _need_in(d, key, where, file)
+
     study = doc["study"]
     data = _need(study, "data", "study.")
     stored = _need(data, "evaluations", "study.data.")
@@ -147,9 +151,9 @@ def verify(path) -> dict:
     f, doc = read_study(path)
     study = doc["study"]
     cfg = config_of(study, str(f))
-    runs = _need(study, "runs", "study.")
+    runs = _need_in(study, "runs", "study.", str(f))
     groups = by_group(runs)
-    inputs, task_spec = inputs_of(doc, cfg, groups)
+    inputs, task_spec = inputs_of(doc, cfg, groups, str(f))
     try:
         derived, _, _ = study_checks(cfg, groups, inputs, task_spec)
     except (KeyError, IndexError, TypeError) as e:  # a document missing an input the checks need

@@ -98,6 +98,29 @@ def test_runs_trained_at_other_settings_are_refused(tmp_path):
     assert not (tmp_path / "m2").exists()
 
 
+def test_a_piece_without_first_run_measures(tmp_path):
+    """A piece run with --no-first-run-measures: its own verdicts say claims 3, 9 and 10 were not measured there;
+    merged with the piece that has them, they are back; merged without it, refused in one line."""
+    from deltalens.study.claims import FIRST_RUN_NOT_RUN, claims_of
+
+    table = {c["id"]: c for c in claims_of([], ran=set(), not_run=FIRST_RUN_NOT_RUN)}
+    assert {c: table[c]["verdict"] for c in (3, 9, 10)} == {3: "not run", 9: "not run", 10: "not run"}
+    assert "--no-first-run-measures" in table[3]["note"] and table[9]["ours"] and not table[3]["ours"]
+    doc = _published()
+    a, b = piece(doc, [0]), piece(doc, [1, 2])
+    b["study"]["config"]["first_run_measures"] = False  # as such a piece writes it: no sparsity, no population
+    assert b["study"]["data"]["sparsity"] == {} and b["diversity"] == {}
+    r = run_cli(["study", "merge", str(_write(tmp_path / "a", a)), str(_write(tmp_path / "b", b)), "--out",
+                 str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    merged = json.loads((tmp_path / "m" / "analysis.json").read_text())
+    assert {3, 9, 10} <= {cl["id"] for cl in merged["study"]["claims"] if cl["checks"]}
+    a["study"]["config"]["first_run_measures"], a["study"]["data"]["sparsity"], a["diversity"] = False, {}, {}
+    r = run_cli(["study", "merge", str(_write(tmp_path / "a2", a)), str(tmp_path / "b"), "--out", str(tmp_path / "m2")])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and "no sparsity sweep of es-s0" in " ".join(r.output.split())
+
+
 def test_a_base_evaluated_elsewhere_is_pooled(tmp_path):
     doc = _published()
     b = piece(doc, [1, 2])
