@@ -13,7 +13,9 @@ What a merge requires and takes, piece by piece (documents in the order given):
     settings    every setting of `study.config` equal (model, task, budget and preset as resolved, limit,
                 samples, K, temperatures, sparsities, population sizes, two-point, α rule, ES options,
                 backend, compute dtype, resamples, margin, ...) except the seeds, the methods, the base's
-                sampling seeds and where the pieces ran (--ray and its companions, --report-to)
+                sampling seeds and where the pieces ran (--ray and its companions, --report-to); the ES
+                runs' own settings (ES_ONLY) between the pieces that train ES runs only, so a piece of GRPO
+                runs merges with one of ES runs at --population-sizes
     runs        the union; a label in two pieces is refused (one run, one result)
     base        the distinct base evaluations at each temperature, pooled: a piece's base evaluations that
                 equal an earlier piece's row for row (same machine, same sampling seeds) are counted once,
@@ -113,20 +115,32 @@ def _order(cfg: StudyConfig, runs: list[dict]) -> list[dict]:
     return sorted(runs, key=lambda r: (rank.get(r["group"], len(rank)), r["seed"]))
 
 
+# settings of the ES runs only: compared between the pieces that train such runs (claim 6/7's extra runs
+# exist only beside the es runs; --es-options also sets ES->GRPO's ES stage), taken from them
+ES_ONLY = {"population_sizes": ("es",), "two_point": ("es",), "population_alpha": ("es",),
+           "es_options": ("es", "es-grpo", "grpo-es")}
+
+
 def merged_config(cfgs: list[StudyConfig], names: list[str], base_seeds: int) -> StudyConfig:
-    """The merged study's settings, or a one-line refusal naming the first setting two pieces differ in."""
-    first = cfgs[0].to_dict()
-    for cfg, name in zip(cfgs[1:], names[1:]):
-        d = cfg.to_dict()
-        diff = sorted(k for k in set(first) | set(d) if k not in FREE and first.get(k) != d.get(k))
-        if diff:
-            k = diff[0]
-            raise DeltalensError(f"{name} is a study with other settings than {names[0]} ({k}: {d.get(k)!r} vs "
-                                 f"{first.get(k)!r}{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); "
-                                 "only seeds and methods may differ")
+    """The merged study's settings, or a one-line refusal naming the first setting two pieces differ in.
+    Settings in ES_ONLY are compared between the pieces whose methods use them (a GRPO-only piece cannot
+    have population sizes) and taken from the first such piece."""
+    dicts = [c.to_dict() for c in cfgs]
+    merged = dict(dicts[0])
+    for key in sorted({k for d in dicts for k in d} - set(FREE)):
+        users = [i for i, c in enumerate(cfgs) if key not in ES_ONLY or set(c.methods) & set(ES_ONLY[key])]
+        if not users:
+            continue
+        ref = users[0]
+        for i in users[1:]:
+            if dicts[i].get(key) != dicts[ref].get(key):
+                raise DeltalensError(f"{names[i]} is a study with other settings than {names[ref]} ({key}: "
+                                     f"{dicts[i].get(key)!r} vs {dicts[ref].get(key)!r}); only seeds and methods "
+                                     "may differ")
+        merged[key] = dicts[ref].get(key)
     methods = list(dict.fromkeys(m for c in cfgs for m in c.methods))
     seeds = sorted({s for c in cfgs for s in c.seeds})
-    return StudyConfig.from_dict({**first, "methods": methods, "seeds": seeds, "base_seeds": base_seeds,
+    return StudyConfig.from_dict({**merged, "methods": methods, "seeds": seeds, "base_seeds": base_seeds,
                                   "first_run_measures": True}, source="the merged settings")
 
 

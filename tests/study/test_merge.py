@@ -20,14 +20,20 @@ def _published() -> dict:
     return json.loads(gzip.open(PUBLISHED / "analysis.json.gz").read())
 
 
-def piece(doc: dict, seeds: list[int]) -> dict:
-    """What a study of these seeds alone would have written: its runs, the base, and each section's entries
-    of its runs (its sparsity and population pass: of its own first runs, when it has them)."""
+def piece(doc: dict, seeds: list[int] | None = None, groups: set[str] | None = None) -> dict:
+    """What a study of these seeds (or run groups) alone would have written: its runs, the base, and each
+    section's entries of its runs (its sparsity and population pass: of its own first runs, when it has them)."""
     d = copy.deepcopy(doc)
     st = d["study"]
-    st["runs"] = [r for r in st["runs"] if r["seed"] in seeds]
+    st["runs"] = [r for r in st["runs"] if (seeds is None or r["seed"] in seeds)
+                  and (groups is None or r["group"] in groups)]
     labels = {r["label"] for r in st["runs"]}
-    st["config"]["seeds"] = list(seeds)
+    if seeds is not None:
+        st["config"]["seeds"] = list(seeds)
+    if groups is not None:
+        st["config"]["methods"] = [m for m in st["config"]["methods"] if m in groups]
+        if "es" not in groups:  # a study without es runs has no claim-6/7 runs either
+            st["config"]["population_sizes"], st["config"]["two_point"] = [], False
     for t, ev in st["data"]["evaluations"].items():
         st["data"]["evaluations"][t] = {k: v for k, v in ev.items() if k == "base" or k in labels}
     st["data"]["entropy"] = {k: v for k, v in st["data"]["entropy"].items() if k == "base" or k in labels}
@@ -96,6 +102,24 @@ def test_runs_trained_at_other_settings_are_refused(tmp_path):
     assert r.exit_code == 2 and len(lines) == 1 and "trained with other settings than es-s0 (alpha: 0.002 vs 0.001" \
         in " ".join(r.output.split()), r.output
     assert not (tmp_path / "m2").exists()
+
+
+def test_a_study_merged_from_its_methods_run_apart(tmp_path):
+    """The published 3-seed tiny study (claims 1-10, 48 checks) as two sittings by method: the ES runs (with
+    claims 6/7's extra runs) and the GRPO and ES->GRPO runs; its checks and verdicts come back exactly."""
+    doc = json.loads(gzip.open(PUBLISHED.parent / "tiny-study-2026-12-03" / "analysis.json.gz").read())
+    es = {r["group"] for r in doc["study"]["runs"] if r["method"] == "es" and r["group"] != "es-grpo"}
+    a = _write(tmp_path / "es", piece(doc, groups=es))
+    b = _write(tmp_path / "grpo", piece(doc, groups={"grpo", "es-grpo"}))
+    r = run_cli(["study", "merge", str(a), str(b), "--out", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    merged = json.loads((tmp_path / "m" / "analysis.json").read_text())
+    rows = compare([c for cl in doc["study"]["claims"] for c in cl["checks"]],
+                   [c for cl in merged["study"]["claims"] for c in cl["checks"]])
+    assert len(rows) == 48 and all(r["status"] == "identical" for r in rows), [r for r in rows if r["fields"]]
+    assert [cl["verdict"] for cl in merged["study"]["claims"]] == [cl["verdict"] for cl in doc["study"]["claims"]]
+    # the ES-only settings come from the ES piece; the GRPO piece could not have them
+    assert merged["study"]["config"]["population_sizes"] == [4, 8, 16] and merged["study"]["config"]["two_point"]
 
 
 def test_a_piece_without_first_run_measures(tmp_path):
