@@ -16,8 +16,9 @@ from deltalens.study.verify import compare, verify
 PUBLISHED = Path(__file__).resolve().parents[2] / "docs" / "tiny-claims67-scaled-2026-12-06"
 
 
-def _published() -> dict:
-    return json.loads(gzip.open(PUBLISHED / "analysis.json.gz").read())
+def _published(name: str = PUBLISHED.name) -> dict:
+    with gzip.open(PUBLISHED.parent / name / "analysis.json.gz") as f:
+        return json.loads(f.read())
 
 
 def piece(doc: dict, seeds: list[int] | None = None, groups: set[str] | None = None) -> dict:
@@ -107,7 +108,7 @@ def test_runs_trained_at_other_settings_are_refused(tmp_path):
 def test_a_study_merged_from_its_methods_run_apart(tmp_path):
     """The published 3-seed tiny study (claims 1-10, 48 checks) as two sittings by method: the ES runs (with
     claims 6/7's extra runs) and the GRPO and ES->GRPO runs; its checks and verdicts come back exactly."""
-    doc = json.loads(gzip.open(PUBLISHED.parent / "tiny-study-2026-12-03" / "analysis.json.gz").read())
+    doc = _published("tiny-study-2026-12-03")
     es = {r["group"] for r in doc["study"]["runs"] if r["method"] == "es" and r["group"] != "es-grpo"}
     a = _write(tmp_path / "es", piece(doc, groups=es))
     b = _write(tmp_path / "grpo", piece(doc, groups={"grpo", "es-grpo"}))

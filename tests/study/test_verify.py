@@ -19,7 +19,8 @@ PUBLISHED = Path(__file__).resolve().parents[2] / "docs" / "tiny-claims67-scaled
 
 
 def _doc() -> dict:
-    return json.loads(gzip.open(PUBLISHED / "analysis.json.gz").read())
+    with gzip.open(PUBLISHED / "analysis.json.gz") as f:
+        return json.loads(f.read())
 
 
 def _check(doc, name_start: str) -> dict:
