@@ -17,10 +17,11 @@ What a merge requires and takes, piece by piece (documents in the order given):
                 runs' own settings (ES_ONLY) between the pieces that train ES runs only, so a piece of GRPO
                 runs merges with one of ES runs at --population-sizes
     runs        the union; a label in two pieces is refused (one run, one result)
-    base        the distinct base evaluations at each temperature, pooled: a piece's base evaluations that
-                equal an earlier piece's row for row (same machine, same sampling seeds) are counted once,
-                different ones (another machine's kernels) are further sampling seeds of the same base
-                (`study.base.sampling_seeds` counts them); the base's entropy, its held-out results and
+    base        the distinct base evaluations, pooled: a piece's base evaluations that all equal earlier
+                ones row for row at every temperature (same machine, same sampling seeds) are counted once,
+                ones that all differ (another machine's kernels) are further sampling seeds of the same
+                base (`study.base.sampling_seeds` counts them); a piece with some of each is refused (run
+                the pieces with the same --base-seeds); the base's entropy, its held-out results and
                 `evals.base` are the first piece's
     seed-0 work the sparsity sweep (claim 3) and the population pass (claims 9, 10) measure each method's
                 first run (lowest seed) in the merged study, from the piece that has it; a piece whose own
@@ -173,13 +174,20 @@ def merge(paths) -> tuple[dict, list[dict]]:
 
     # the base: distinct evaluations pooled (same rows at every temperature = the same evaluations)
     temps = [t_key(t) for t in cfgs[0].eval_temperatures]
-    pooled, seen = [], []
+    pooled, seen = [], set()
     for p in pieces:
-        base = {t: p["inputs"]["evaluations"][t]["base"] for t in temps}
-        key = json.dumps(base, sort_keys=True)
-        p["base_pooled"] = key not in seen
+        n = len(p["inputs"]["evaluations"][temps[0]]["base"])
+        # one key per sampling seed: its rows at every temperature
+        keys = [json.dumps([p["inputs"]["evaluations"][t]["base"][i] for t in temps], sort_keys=True)
+                for i in range(n)]
+        known = [k in seen for k in keys]
+        if any(known) and not all(known):  # a part counted twice, or a mean curve that is not the pooled one's
+            raise DeltalensError(f"{p['file']}: some of its base evaluations equal an earlier piece's and some do "
+                                 "not; run the pieces with the same --base-seeds (on one machine their base "
+                                 "evaluations are then equal and counted once)")
+        p["base_pooled"] = not any(known)
         if p["base_pooled"]:
-            seen.append(key)
+            seen.update(keys)
             pooled.append(p)
     n_base = sum(len(p["inputs"]["evaluations"][temps[0]]["base"]) for p in pooled)
     cfg = merged_config(cfgs, files, n_base)

@@ -149,9 +149,10 @@ def test_a_piece_without_first_run_measures(tmp_path):
 def test_a_base_evaluated_elsewhere_is_pooled(tmp_path):
     doc = _published()
     b = piece(doc, [1, 2])
-    for t in b["study"]["data"]["evaluations"].values():  # another machine's kernels: one sample differs
-        row = next(r for r in t["base"][0] if 0 < r["correct"] < r["n"])
-        row["correct"] -= 1
+    for t in b["study"]["data"]["evaluations"].values():  # another machine's kernels: other samples
+        for ev in t["base"]:
+            row = next(r for r in ev if 0 < r["correct"] < r["n"])
+            row["correct"] -= 1
     a, b = _write(tmp_path / "a", piece(doc, [0])), _write(tmp_path / "b", b)
     r = run_cli(["study", "merge", str(a), str(b), "--out", str(tmp_path / "m")])
     assert r.exit_code == 0, r.output
@@ -160,6 +161,16 @@ def test_a_base_evaluated_elsewhere_is_pooled(tmp_path):
     assert [p["base"] for p in merged["study"]["merged"]["pieces"]] == ["pooled", "pooled"]
     assert len(merged["study"]["data"]["evaluations"]["0.6"]["base"]) == 6
     assert verify(tmp_path / "m")["ok"]
+    # a piece whose base is partly an earlier piece's (its seed 0 equal, its seed 1 another machine's): refused
+    mixed = piece(doc, [1, 2])
+    for t in mixed["study"]["data"]["evaluations"].values():
+        other = copy.deepcopy(t["base"][1])
+        row = next(r for r in other if 0 < r["correct"] < r["n"])
+        row["correct"] -= 1
+        t["base"] = [t["base"][0], other]
+    mixed["study"]["config"]["base_seeds"] = 2
+    r = run_cli(["study", "merge", str(a), str(_write(tmp_path / "mixed", mixed)), "--out", str(tmp_path / "m3")])
+    assert r.exit_code == 2 and "some of its base evaluations equal an earlier piece's" in " ".join(r.output.split())
 
 
 def test_pieces_that_cannot_merge_are_refused_in_one_line(tmp_path):
