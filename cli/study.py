@@ -163,10 +163,12 @@ def show_scale(res: dict, console=None) -> None:
     for m in res["models"]:
         lo, hi = m["ci"]
         share = "-" if m["share"] is None else f"{m['share']:.3g} [{num(lo)}, {num(hi)}]"
-        interval = "-" if m["n_needed"] is None else f"[{m['n_low']}, {m['n_high']}]"
+        le = "≤"  # the smallest N the study ran already reaches F: a smaller one might too
+        interval = "-" if m["n_needed"] is None else \
+            f"[{le if m.get('low_censored') else ''}{m['n_low']}, {m['n_high']}]"
         size = f"{m['params'] / 1e9:.3g}B" if m["params"] >= 1e9 else f"{m['params'] / 1e6:.3g}M"
         t.add_row(Text(f"{m['study']} ({m['model']})"), size, str(m["reference_population"]),
-                  "-" if m["n_needed"] is None else str(m["n_needed"]), interval, share)
+                  "-" if m["n_needed"] is None else f"{le if m.get('at_most') else ''}{m['n_needed']}", interval, share)
     console.print(t)
     console.print(f"the N needed shrinks with model scale: {res['verdict']}: {res['reason']}", markup=False,
                   highlight=False)

@@ -9,6 +9,9 @@ interval. This module reads each study's analysis.json and, per model (its param
                     population, whose share is 1 by definition, when no smaller N reaches F
     its interval    [the smallest N whose share's interval reaches F (or is undefined: it may),
                      the smallest N whose share's interval lies at or above F (the reference N when none)]
+    censoring       where that lower end (or the N needed itself) is the smallest N the study ran, a smaller
+                    untested N might reach F too: it reads "at most" that N (`low_censored`, `at_most`), and
+                    a censored lower end never counts as lying surely above another model's interval
 
 with each study's Holm-level interval of the check (the one its own verdicts use; the unadjusted 95% one
 where no Holm interval is recorded), so the statement carries each study's multiplicity control. Torch-free.
@@ -192,7 +195,8 @@ def n_needed(sizes: list[dict], reference: int, fraction: float) -> dict:
     undefined) and the reference N. None throughout when no share is defined (the reference gain is not > 0)."""
     grid = sorted((s for s in sizes if s["population"] < reference), key=lambda s: s["population"])
     if grid and not any(_finite(s["share"]) for s in grid):
-        return {"n_needed": None, "n_low": None, "n_high": None, "share": None, "ci": [None, None]}
+        return {"n_needed": None, "n_low": None, "n_high": None, "share": None, "ci": [None, None],
+                "at_most": False, "low_censored": False}
 
     def first(pred):
         return next((s for s in grid if pred(s)), None)
@@ -200,9 +204,12 @@ def n_needed(sizes: list[dict], reference: int, fraction: float) -> dict:
     est = first(lambda s: _finite(s["share"]) and s["share"] >= fraction)
     low = first(lambda s: s["ci"][1] is None or s["ci"][1] >= fraction)
     high = first(lambda s: s["ci"][0] is not None and s["ci"][0] >= fraction)
+    # the smallest N tested already reaches F: a smaller, untested N might too, so the N needed (or the interval's
+    # lower end) is "at most" that N, not that N
     return {"n_needed": est["population"] if est else reference, "n_low": low["population"] if low else reference,
             "n_high": high["population"] if high else reference, "share": est["share"] if est else 1.0,
-            "ci": est["ci"] if est else [1.0, 1.0]}
+            "ci": est["ci"] if est else [1.0, 1.0], "at_most": bool(grid) and est is grid[0],
+            "low_censored": bool(grid) and low is grid[0]}
 
 
 def model_row(name: str, study_dir: Path, doc: dict, fraction: float) -> dict:
@@ -240,10 +247,11 @@ def scale_verdict(models: list[dict]) -> tuple[str, str]:
         return "unclear", f"no share of the reference gain is defined for {', '.join(undefined)} (its gain is not above 0)"
     ns = [m["n_needed"] for m in models]
     small, large = models[0], models[-1]
-    if all(b <= a for a, b in pairwise(ns)) and large["n_high"] < small["n_low"]:
+    # a lower end at the smallest N tested is censored (a smaller N might reach F): it cannot be "surely above"
+    if all(b <= a for a, b in pairwise(ns)) and large["n_high"] < small["n_low"] and not small["low_censored"]:
         return "reproduced", (f"the N needed falls from {small['n_needed']} to {large['n_needed']} and the largest "
                               f"model's interval lies below the smallest's")
-    if all(b >= a for a, b in pairwise(ns)) and large["n_low"] > small["n_high"]:
+    if all(b >= a for a, b in pairwise(ns)) and large["n_low"] > small["n_high"] and not large["low_censored"]:
         return "contradicted", (f"the N needed rises from {small['n_needed']} to {large['n_needed']} and the largest "
                                 f"model's interval lies above the smallest's")
     trend = " -> ".join(map(str, ns))

@@ -61,13 +61,19 @@ def _studies(tmp_path, spec, **kw):
 def test_n_needed_and_its_interval_known_answers():
     sizes = [{"population": n, "share": s, "ci": [lo, hi]} for n, s, lo, hi in SHRINKS["mid"][1]]
     # F = 0.9: 8 is the first share >= 0.9; 8 the first whose interval reaches 0.9; 16 the first surely above
-    assert n_needed(sizes, 32, 0.9) == {"n_needed": 8, "n_low": 8, "n_high": 16, "share": 0.92, "ci": [0.85, 0.99]}
-    assert n_needed(sizes, 32, 0.5) == {"n_needed": 4, "n_low": 4, "n_high": 8, "share": 0.5, "ci": [0.3, 0.7]}
+    no = {"at_most": False, "low_censored": False}
+    assert n_needed(sizes, 32, 0.9) == {"n_needed": 8, "n_low": 8, "n_high": 16, "share": 0.92, "ci": [0.85, 0.99],
+                                        **no}
+    # the smallest N run (4) reaches 0.5: a smaller, untested N might too, so both read "at most 4"
+    assert n_needed(sizes, 32, 0.5) == {"n_needed": 4, "n_low": 4, "n_high": 8, "share": 0.5, "ci": [0.3, 0.7],
+                                        "at_most": True, "low_censored": True}
     # nothing reaches 0.99 below the reference: the reference (share 1 by definition); 8's interval reaches it
-    assert n_needed(sizes, 32, 0.99) == {"n_needed": 32, "n_low": 8, "n_high": 32, "share": 1.0, "ci": [1.0, 1.0]}
+    assert n_needed(sizes, 32, 0.99) == {"n_needed": 32, "n_low": 8, "n_high": 32, "share": 1.0, "ci": [1.0, 1.0],
+                                         **no}
     # an undefined interval (the gain not significantly above 0) may reach F and never surely does
     vague = [{"population": 4, "share": 0.95, "ci": [None, None]}]
-    assert n_needed(vague, 32, 0.9) == {"n_needed": 4, "n_low": 4, "n_high": 32, "share": 0.95, "ci": [None, None]}
+    assert n_needed(vague, 32, 0.9) == {"n_needed": 4, "n_low": 4, "n_high": 32, "share": 0.95, "ci": [None, None],
+                                        "at_most": True, "low_censored": True}
     # the reference gained nothing: no share defined, no N needed
     assert n_needed([{"population": 4, "share": None, "ci": [None, None]}], 32, 0.9)["n_needed"] is None
 
@@ -88,6 +94,13 @@ def test_the_verdict_follows_the_rule(tmp_path):
     res = scale_analysis(_studies(tmp_path / "c", vague))
     assert [m["n_needed"] for m in res["models"]] == [16, 8, 8] and res["verdict"] == "unclear"
     assert "does not surely change" in res["reason"]
+    # the smallest model's interval starts at the smallest N it ran (censored: a smaller N might reach F), so the
+    # largest model's cannot lie surely below it, though every number says so
+    censored = {**SHRINKS, "small": (1e6, [(8, 0.5, 0.3, 0.95), (16, 0.95, 0.92, 1.0)])}
+    res = scale_analysis(_studies(tmp_path / "e", censored))
+    small = res["models"][0]
+    assert (small["n_low"], small["low_censored"], res["models"][-1]["n_high"]) == (8, True, 4)
+    assert res["verdict"] == "unclear"
     # --fraction changes what "reaches" means: at 0.5 the small model needs 8, the others 4
     res = scale_analysis(_studies(tmp_path / "d", SHRINKS), fraction=0.5)
     assert [m["n_needed"] for m in res["models"]] == [8, 4, 4] and res["fraction"] == 0.5
@@ -155,7 +168,7 @@ def test_cli_table_fits_80_columns_and_writes_json(tmp_path):
     assert max(len(x) for x in lines) <= 80
     row = next(x for x in lines if " 1M " in x)  # the small model's row: 1e6 parameters, reference N = 32
     assert "32" in row and "[16, 16]" in row and "0.95 [0.91, 1]" in row
-    assert any(" 100M " in x and "[4, 4]" in x for x in lines)
+    assert any(" 100M " in x and "≤4" in x and "[≤4, 4]" in x for x in lines)  # 4, the smallest N run: at most
 
 
 def test_cli_refuses_in_one_line_and_overwrites_nothing(tmp_path):
