@@ -160,10 +160,10 @@ def show_scale(res: dict, console=None) -> None:
     def num(x):
         return "-" if x is None else f"{x:.3g}"
 
+    le = "≤"  # the smallest N the study ran already reaches F: a smaller one might too
     for m in res["models"]:
         lo, hi = m["ci"]
         share = "-" if m["share"] is None else f"{m['share']:.3g} [{num(lo)}, {num(hi)}]"
-        le = "≤"  # the smallest N the study ran already reaches F: a smaller one might too
         interval = "-" if m["n_needed"] is None else \
             f"[{le if m.get('low_censored') else ''}{m['n_low']}, {m['n_high']}]"
         size = f"{m['params'] / 1e9:.3g}B" if m["params"] >= 1e9 else f"{m['params'] / 1e6:.3g}M"

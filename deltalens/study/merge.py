@@ -164,13 +164,13 @@ def merge(paths) -> tuple[dict, list[dict]]:
         inputs, task_spec = inputs_of(doc, cfg, groups, f)
         pieces.append({"file": f, "doc": doc, "cfg": cfg, "runs": runs, "inputs": inputs, "task_spec": task_spec})
 
-    owner: dict[str, str] = {}
+    by_label: dict[str, dict] = {}  # each run's piece
     for p in pieces:
         for r in p["runs"]:
-            if r["label"] in owner:
-                raise DeltalensError(f"{r['label']} is in both {owner[r['label']]} and {p['file']}: a run may be "
-                                     "merged once")
-            owner[r["label"]] = p["file"]
+            if r["label"] in by_label:
+                raise DeltalensError(f"{r['label']} is in both {by_label[r['label']]['file']} and {p['file']}: a run "
+                                     "may be merged once")
+            by_label[r["label"]] = p
 
     # the base: distinct evaluations pooled (same rows at every temperature = the same evaluations)
     temps = [t_key(t) for t in cfgs[0].eval_temperatures]
@@ -193,8 +193,12 @@ def merge(paths) -> tuple[dict, list[dict]]:
     cfg = merged_config(cfgs, files, n_base)
     runs = _order(cfg, [r for p in pieces for r in p["runs"]])
     groups = by_group(runs)
-    by_label = {r["label"]: p for p in pieces for r in p["runs"]}
     notes = run_settings(runs, by_label)
+
+    def section(name: str) -> dict:
+        """Each run's entry of the document section `name`, from its piece."""
+        return {r["label"]: by_label[r["label"]]["doc"][name][r["label"]] for r in runs
+                if r["label"] in (by_label[r["label"]]["doc"].get(name) or {})}
 
     evaluations = {t: {"base": [ev for p in pooled for ev in p["inputs"]["evaluations"][t]["base"]],
                        **{r["label"]: by_label[r["label"]]["inputs"]["evaluations"][t][r["label"]] for r in runs}}
@@ -221,8 +225,7 @@ def merge(paths) -> tuple[dict, list[dict]]:
     entropy = {"base": pieces[0]["inputs"]["entropy"]["base"],
                **{r["label"]: by_label[r["label"]]["inputs"]["entropy"][r["label"]] for r in runs
                   if r["label"] in by_label[r["label"]]["inputs"]["entropy"]}}
-    diff = {r["label"]: by_label[r["label"]]["doc"]["diff"][r["label"]] for r in runs
-            if r["label"] in (by_label[r["label"]]["doc"].get("diff") or {})}
+    diff = section("diff")
     pairs = {k: v for p in pieces for k, v in p["inputs"]["pairs"].items()}
     inputs = {"evaluations": evaluations, "pairs": pairs, "diff": diff, "sparsity": sparsity, "entropy": entropy,
               "diversity": diversity}
@@ -246,14 +249,6 @@ def merge(paths) -> tuple[dict, list[dict]]:
                                    "base": "pooled" if p["base_pooled"] else "equal to an earlier piece's: counted once"}
                                   for p in pieces],
                        "left_out": left_out, "notes": notes}
-
-    def section(name: str) -> dict:
-        out = {}
-        for r in runs:
-            sec = by_label[r["label"]]["doc"].get(name) or {}
-            if r["label"] in sec:
-                out[r["label"]] = sec[r["label"]]
-        return out
 
     held = pieces[0]["doc"].get("held_out") or {}
     held_out = {**({"base": held["base"]} if "base" in held else {}), **section("held_out")}

@@ -130,6 +130,13 @@ def base_section(cfg: StudyConfig, curve: dict, sampling_seeds: int, effects: di
             "pass_at_k": pk, "maj_at_k": mk, "curve": curve}
 
 
+def study_claims(cfg: StudyConfig, checks: list[dict]) -> list[dict]:
+    """The verdict table (`claims_of`): claims 6 and 7 "not run" without their runs, and 3, 9 and 10 in a piece
+    run with --no-first-run-measures."""
+    return claims_of(checks, ran={c["claim"] for c in checks},
+                     not_run=None if cfg.first_run_measures else FIRST_RUN_NOT_RUN)
+
+
 def study_section(cfg: StudyConfig, checks: list[dict], effects_at: dict, base: dict, runs: list[dict], data: dict,
                   flops: dict, seconds) -> dict:
     """analysis.json's `study`: settings (as resolved), rule, claims (verdict table), effects, the one base,
@@ -138,8 +145,7 @@ def study_section(cfg: StudyConfig, checks: list[dict], effects_at: dict, base: 
     study = {"config": {**cfg.to_dict(), "budget": study_budget(cfg), "preset": preset_of(cfg),
                         "temperature": vt, "temperatures": list(temps)},
              "rule": f"{stats.rule_text(cfg.noninferiority_margin)} {SEED_SPREAD} {temperature_text(temps, vt)}",
-             "claims": claims_of(checks, ran={c["claim"] for c in checks},
-                                 not_run=None if cfg.first_run_measures else FIRST_RUN_NOT_RUN),
+             "claims": study_claims(cfg, checks),
              "effects": effects_summary(effects_at[vt]),
              "base": base, "js_estimator": JS_ESTIMATOR, "runs": runs, "data": data, "flops": flops,
              "seconds": seconds}

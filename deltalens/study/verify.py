@@ -26,15 +26,15 @@ import json
 import math
 
 from deltalens.errors import DeltalensError
-from deltalens.study.claims import claims_of
 from deltalens.study.config import StudyConfig
-from deltalens.study.run import study_checks
+from deltalens.study.plan import t_key
+from deltalens.study.run import study_checks, study_claims
 from deltalens.study.runs import TWO_POINT, by_group
 from deltalens.study.scale import read_study
 
 RTOL = 1e-9  # floats re-derived from the same inputs by the same code agree to rounding
-# what the document adds to a study's config (`analyse`): the resolved budget and preset, the verdict
-# temperature and every evaluated temperature
+# what the document's `study.config` holds in another form than --temperature/--temperatures (`analyse`): the
+# verdict temperature and every evaluated temperature (budget and preset are stored resolved, read as given)
 _DERIVED = ("temperature", "temperatures")
 
 
@@ -52,9 +52,10 @@ def config_of(study: dict, where: str = "the document") -> StudyConfig:
         raise DeltalensError(f"{where}: study.config: {e}") from None
 
 
-def _need_in(d: dict, key: str, where: str, doc: str = "the document"):
+def _need(d: dict, key: str, where: str, file: str):
+    """d[key], or a one-line refusal naming the file and where in it the input is missing."""
     if not isinstance(d, dict) or key not in d:
-        raise DeltalensError(f"{doc} has no {where}{key}: it cannot be re-derived (written by a deltalens "
+        raise DeltalensError(f"{file} has no {where}{key}: it cannot be re-derived (written by a deltalens "
                              "that did not publish it)")
     return d[key]
 
@@ -62,18 +63,15 @@ def _need_in(d: dict, key: str, where: str, doc: str = "the document"):
 def inputs_of(doc: dict, cfg: StudyConfig, groups: dict, file: str = "the document") -> tuple[dict, str | None]:
     """`study_checks`' inputs from the document (module docstring), and the task spec of its sparsify section;
     `file` names the document in a refusal."""
-    def _need(d, key, where):
-        return _need_in(d, key, where, file)
-
     study = doc["study"]
-    data = _need(study, "data", "study.")
-    stored = _need(data, "evaluations", "study.data.")
+    data = _need(study, "data", "study.", file)
+    stored = _need(data, "evaluations", "study.data.", file)
     evaluations = {}
     for t in cfg.eval_temperatures:
-        key = f"{t:g}"
-        rows = _need(stored, key, "study.data.evaluations.")
-        evaluations[key] = {"base": [{"per_problem": r} for r in _need(rows, "base", f"evaluations[{key}].")],
-                            **{r["label"]: {"per_problem": _need(rows, r["label"], f"evaluations[{key}].")}
+        key = t_key(t)
+        rows = _need(stored, key, "study.data.evaluations.", file)
+        evaluations[key] = {"base": [{"per_problem": r} for r in _need(rows, "base", f"evaluations[{key}].", file)],
+                            **{r["label"]: {"per_problem": _need(rows, r["label"], f"evaluations[{key}].", file)}
                                for rs in groups.values() for r in rs}}
     pairs = {}
     if TWO_POINT in groups:
@@ -86,8 +84,8 @@ def inputs_of(doc: dict, cfg: StudyConfig, groups: dict, file: str = "the docume
     needs_sparsity = {"es", "grpo"} & set(groups)
     return {"evaluations": evaluations, "pairs": pairs,
             "diff": doc.get("diff") if {"es", "grpo"} <= set(groups) else None,
-            "sparsity": _need(data, "sparsity", "study.data.") if needs_sparsity else {},
-            "entropy": _need(data, "entropy", "study.data."),
+            "sparsity": _need(data, "sparsity", "study.data.", file) if needs_sparsity else {},
+            "entropy": _need(data, "entropy", "study.data.", file),
             "diversity": doc.get("diversity") or {}}, task_spec
 
 
@@ -151,7 +149,7 @@ def verify(path) -> dict:
     f, doc = read_study(path)
     study = doc["study"]
     cfg = config_of(study, str(f))
-    runs = _need_in(study, "runs", "study.", str(f))
+    runs = _need(study, "runs", "study.", str(f))
     groups = by_group(runs)
     inputs, task_spec = inputs_of(doc, cfg, groups, str(f))
     try:
@@ -161,11 +159,9 @@ def verify(path) -> dict:
                              "it cannot be re-derived") from None
     stated = [c for cl in study["claims"] for c in cl.get("checks", []) if isinstance(c, dict)]
     rows = compare(stated, derived)
-    claims = []
-    ran = {c["claim"] for c in derived}
-    verdicts = {cl["id"]: cl["verdict"] for cl in claims_of(derived, ran=ran)}
-    for cl in study["claims"]:
-        claims.append({"id": cl.get("id"), "stated": cl.get("verdict"), "derived": verdicts.get(cl.get("id"))})
+    verdicts = {cl["id"]: cl["verdict"] for cl in study_claims(cfg, derived)}
+    claims = [{"id": cl.get("id"), "stated": cl.get("verdict"), "derived": verdicts.get(cl.get("id"))}
+              for cl in study["claims"]]
     differing = [r for r in rows if r["status"] != "identical"]
     ok = not differing and all(c["stated"] == c["derived"] for c in claims)
     return {"file": str(f), "checks": len(rows), "identical": len(rows) - len(differing), "differing": differing,

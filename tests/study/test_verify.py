@@ -97,3 +97,23 @@ def test_compare_on_known_rows():
     # a name stated twice is two checks: the second is not hidden behind the first
     twice = compare([stated[1], {**stated[1], "estimate": 0.2}], [stated[1], stated[1]])
     assert [r["status"] for r in twice] == ["identical", "differs"]
+
+
+def test_a_piece_without_first_run_measures_verifies(tmp_path):
+    """A piece run with --no-first-run-measures states claims 3, 9 and 10 as not run; the verification derives
+    the verdict table by the study's own rule, so it agrees (it read them as missing before)."""
+    from deltalens.study.run import study_checks, study_claims
+    from deltalens.study.runs import by_group
+    from deltalens.study.verify import config_of, inputs_of
+
+    doc = _doc()
+    doc["study"]["config"]["first_run_measures"] = False
+    doc["study"]["data"]["sparsity"], doc["diversity"], doc["sparsify"] = {}, {}, {}
+    cfg = config_of(doc["study"])
+    groups = by_group(doc["study"]["runs"])
+    checks, _, _ = study_checks(cfg, groups, inputs_of(doc, cfg, groups)[0])
+    doc["study"]["claims"] = json.loads(json.dumps(study_claims(cfg, checks), default=float))
+    assert {cl["id"]: cl["verdict"] for cl in doc["study"]["claims"]}[3] == "not run"
+    (tmp_path / "analysis.json").write_text(json.dumps(doc))
+    res = verify(tmp_path)
+    assert res["ok"] and res["checks"] == res["identical"] == len(checks)
