@@ -18,6 +18,10 @@ sampling). `token_budget` picks the default budget from a KV byte budget (`KV_BU
 capped at `MAX_BATCH_TOKENS`: SmolLM2-135M (30 layers, 3 KV heads x 64) stores 46,080 bytes per token
 in fp32, so 11,650 tokens (~47 rows of a 148-token prompt + 96 new tokens), 23,300 in bf16; tiny
 (4 layers, 2 x 32) 2,048 bytes, so the cap, 262,144 tokens (its batches as before the byte budget).
+Where the samples of a prompt share its cache (`shared`, `kv_cache.share_prefix`) a row holds only its own
+tokens and the prompt is held once (in fp32, counted as two bf16 tokens per token), so the same budget
+holds more rows: SmolLM2 in bf16 at 32 samples, 214 rows of a 148-token prompt + 96 new tokens instead
+of 95.
 """
 
 from __future__ import annotations
@@ -51,15 +55,22 @@ def token_budget(config, dtype: torch.dtype = torch.float32, kv_bytes: int = KV_
 
 
 def length_batches(lengths: Sequence[int], n: int, max_new_tokens: int, batch_tokens: int,
-                   max_batch: int) -> Iterator[list[tuple[int, int]]]:
-    """Batches of (prompt index, sample index) items: prompts by length, n samples each, consecutive."""
+                   max_batch: int, shared: bool = False) -> Iterator[list[tuple[int, int]]]:
+    """Batches of (prompt index, sample index) items: prompts by length, n samples each, consecutive.
+    shared: a prompt's samples share its cache (`kv_cache.share_prefix`), so a row costs its own
+    max_new_tokens + 1 tokens and 1/n of its prompt (plus one prompt for a batch that splits one), the
+    prompt counted twice: it is kept in fp32, twice a bf16 token's bytes (an fp32 run over-counts it)."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     items = [(i, j) for i in order for j in range(n)]
     pos = 0
     while pos < len(items):
         # batch size from the longest prompt in the batch (items are sorted by length)
         longest = lengths[items[min(pos + max_batch, len(items)) - 1][0]]
-        bs = max(1, min(max_batch, batch_tokens // (longest + max_new_tokens)))
+        if shared and n > 1:
+            bs = (batch_tokens - 2 * longest) // (max_new_tokens + 1 + 2 * -(-longest // n))
+        else:
+            bs = batch_tokens // (longest + max_new_tokens)
+        bs = max(1, min(max_batch, bs))
         chunk = items[pos: pos + bs]
         yield chunk
         pos += len(chunk)

@@ -197,12 +197,18 @@ def _output_in_input_dtype(module, args, kwargs, out):
 def compute_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of `model` whose parameters are `dtype`, except the RMSNorm weights and Linear biases (kept in
     the master dtype, `master_dtype_params`; see module doc); buffers and tied parameters are kept as they
-    are in `model`; `sync_copy` refreshes it from the masters. The fp32 parameters are never copied whole."""
+    are in `model`; `sync_copy` refreshes it from the masters. The fp32 parameters are never copied whole.
+    A `forward` set on a module instance of the master is not carried over: TRL's GRPO trainer replaces the
+    policy's forward with a wrapper that closes over the master's own bound forward, so a deep copy of it
+    ran the master (fp32 weights, its attention setting) instead of the copy; the copy is for generation
+    and takes its classes' forward."""
     kept = _kept(model)
     memo = {id(p): torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype if id(p) in kept else dtype,
                                                   device=p.device), requires_grad=False)
             for p in model.parameters()}
     out = copy.deepcopy(model, memo)
+    for m in out.modules():  # the copy generates with its classes' own forward (see the docstring)
+        m.__dict__.pop("forward", None)
     sync_copy(model, out)
     if dtype != torch.float32:
         _compute_hooks(out)

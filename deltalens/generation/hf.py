@@ -7,12 +7,14 @@ segments; the text is cut before it). Per batch (`_generate_batch`):
 
 1. Prefill once per prompt (n > 1): a batch holds each of its prompts' samples side by side, so the
    prompt's tokens but the last go through the model once per distinct prompt (left padded, position
-   ids from the mask as `generate` computes them), and the KV cache is expanded to the samples' rows
-   (`batch_select_indices`) before `generate` continues from it with the prompt's last token. Without
-   it every sample recomputed its prompt: SmolLM2 with its chat-template prompts (~148 tokens) spent
-   ~90% of its time in the prefill at 4 samples (cProfile, --limit 4 --samples 4). n = 1 keeps one
-   plain `generate` call, the arithmetic ES's population batching reproduces
-   (`deltalens.training.es.population`).
+   ids from the mask as `generate` computes them), and `generate` continues from that cache with the
+   prompt's last token. Without it every sample recomputed its prompt: SmolLM2 with its chat-template
+   prompts (~148 tokens) spent ~90% of its time in the prefill at 4 samples (cProfile, --limit 4
+   --samples 4). The samples' rows then share the prompt's cache (`kv_cache.share_prefix`,
+   `deltalens.generation.shared_prefix`): each decoding step reads a prompt's keys and values once for
+   all its rows, where copying them to every row (`share_prompts=False`, and the fallback for layers
+   that are not ours, such as sliding-window ones) made each step read n copies. n = 1 keeps one plain
+   `generate` call, the arithmetic ES's population batching reproduces (`deltalens.training.es.population`).
 2. Finished rows leave the batch: `generate` runs SEGMENT new tokens per call, continuing from the
    returned KV cache (the same arithmetic as one call), and between calls the rows that reached EOS
    (or wrote a stop string) leave the batch and the cache. transformers itself computes every row until
@@ -52,10 +54,11 @@ import torch
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, token_budget
 from deltalens.generation.dtype import compute_copy, model_compute_dtype, sync_copy
-from deltalens.generation.kv_cache import cache_name, new_cache
+from deltalens.generation.kv_cache import cache_name, can_share, new_cache, share_prefix
 from deltalens.generation.params import SamplingParams, cut_at_stop, decode_completion
 from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
 from deltalens.generation.sampling import sampling_kwargs
+from deltalens.generation.shared_prefix import shared_prompt_attention
 from deltalens.io.heap import release_freed_memory
 
 SEGMENT = 16  # new tokens per `generate` call between removals of finished rows
@@ -79,11 +82,15 @@ class HFBackend:
     chat_template: auto | on | off (`deltalens.generation.prompts`); `chat` is the resolved choice.
     compute_dtype: fp32 | bf16 | auto (`deltalens.generation.dtype`); `dtype` is the resolved torch dtype.
     `model` stays the master: a bf16 compute copy is `compute_model` (None until the first call).
+    share_prompts: with n > 1, the rows of a prompt read its KV cache once per step
+    (`deltalens.generation.shared_prefix`) instead of each holding a copy of it (False: the copies).
     """
 
     def __init__(self, model, tokenizer, batch_tokens: int | None = None, max_batch: int = 1024,
-                 chat_template: str | bool = "auto", compute_dtype: str = "fp32", kv_bytes: int | None = None):
+                 chat_template: str | bool = "auto", compute_dtype: str = "fp32", kv_bytes: int | None = None,
+                 share_prompts: bool = True):
         self.model, self.tok = model, tokenizer
+        self.share_prompts = share_prompts
         self.max_batch = max_batch
         self.chat = uses_chat(tokenizer, chat_template)
         if tokenizer.pad_token_id is None:
@@ -141,13 +148,15 @@ class HFBackend:
 
         out: list[list[list[int]]] = [[[] for _ in range(params.n)] for _ in enc]
         runner = self.runner()
+        shared = self.share_prompts and params.n > 1 and can_share(runner)
         batches = length_batches([len(e) for e in enc], params.n, params.max_new_tokens, self.batch_tokens,
-                                 self.max_batch)
+                                 self.max_batch, shared=shared)
         verbosity = hf_logging.get_verbosity()
         try:
             for b, chunk in enumerate(batches):
                 torch.manual_seed(params.seed + b)
-                rows = self._generate_batch(runner, [i for i, _ in chunk], enc, params)
+                with shared_prompt_attention(runner, shared) as on:
+                    rows = self._generate_batch(runner, [i for i, _ in chunk], enc, params, share=on)
                 release_freed_memory()  # the batch's cache and logits, back to the OS (`kv_cache`)
                 for (i, j), row in zip(chunk, rows):
                     out[i][j] = row
@@ -157,9 +166,11 @@ class HFBackend:
             hf_logging.set_verbosity(verbosity)
         return out
 
-    def _generate_batch(self, runner, owners: list[int], enc: list[list[int]], params: SamplingParams):
+    def _generate_batch(self, runner, owners: list[int], enc: list[list[int]], params: SamplingParams,
+                        share: bool = False):
         """The new token ids (through the first EOS) of each row of one batch; row r continues prompt
-        owners[r] (a prompt's rows are consecutive)."""
+        owners[r] (a prompt's rows are consecutive). share: the rows read their prompt's cache in place
+        (`kv_cache.share_prefix`) where every layer allows it, else each row gets a copy."""
         from transformers.utils import logging as hf_logging
 
         device = next(self.model.parameters()).device
@@ -178,7 +189,8 @@ class HFBackend:
                 pos = (pre.cumsum(-1) - 1).masked_fill(pre == 0, 0)  # as `generate` derives them
                 runner(input_ids=ids[:, :-1], attention_mask=pre, position_ids=pos, use_cache=True,
                        logits_to_keep=1, **{name: cache})
-                cache.batch_select_indices(expand)
+                if not (share and share_prefix(cache, expand, pre.bool())):
+                    cache.batch_select_indices(expand)
             ids, att = ids[expand], att[expand]
         else:
             ids, att = left_pad([enc[i] for i in owners], tok.pad_token_id)

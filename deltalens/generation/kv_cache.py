@@ -34,6 +34,8 @@ import functools
 
 import torch
 
+from deltalens.generation.shared_prefix import SharedPrefix, register
+
 
 def cache_name() -> str:
     """transformers >= 5 calls the generate/forward cache argument `cache`; before, `past_key_values`."""
@@ -55,6 +57,7 @@ def _growing_layer_class():
             self.reserve = max(0, int(reserve))  # spare positions allocated at each (re)allocation
             self._k = self._v = None
             self._n = 0
+            self.prefix = None  # a SharedPrefix (`share_prefix`): the prompts' tokens, once per prompt
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             if not self.is_initialized:
@@ -66,7 +69,18 @@ def _growing_layer_class():
             self._v[:, :, n:n + new] = value_states
             self._n = n + new
             self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+            if self.prefix is not None:  # the rows' own tokens; the attention finds the prompt's on the keys
+                self.keys._deltalens_prefix = self.prefix
             return self.keys, self.values
+
+        def share(self, group: torch.Tensor, mask: torch.Tensor) -> None:
+            """Make what the cache holds (one row per prompt, [G, kv heads, P, D]) the shared prompt of rows
+            continuing prompt group[r] (mask [G, P]: True at real tokens); the rows' own tokens start empty."""
+            keys, values = self._k[:, :, :self._n].float(), self._v[:, :, :self._n].float()
+            self.prefix = SharedPrefix(keys, values, mask, group)
+            self._k = self._v = None
+            self._n = 0
+            self.keys, self.values = keys[:0], values[:0]
 
         def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
             b, h, _, dk = key_states.shape
@@ -78,31 +92,39 @@ def _growing_layer_class():
             self._k, self._v = k, v
 
         def get_seq_length(self) -> int:
-            return self._n if self.is_initialized else 0
+            if not self.is_initialized:
+                return 0
+            return self._n + (self.prefix.length if self.prefix is not None else 0)
 
         def reset(self) -> None:
             self._k = self._v = None
             self._n = 0
+            self.prefix = None
             super().reset()
 
         def crop(self, tokens_to_remove: int) -> None:
+            if self.prefix is not None:
+                raise NotImplementedError("crop of a cache with a shared prompt")
             super().crop(tokens_to_remove)  # checks the argument; keys/values become the shorter views
             if self.is_initialized and tokens_to_remove:
                 self._n = self.keys.shape[-2]
 
-        def _select(self, fn) -> None:
+        def _select(self, fn, rows: torch.Tensor) -> None:
             if self.is_initialized and self._k is not None:
                 self._k, self._v = fn(self._k), fn(self._v)
                 self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
+            if self.prefix is not None:
+                self.prefix.select(rows)
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
-            self._select(lambda t: t[indices.to(t.device)])
+            self._select(lambda t: t[indices.to(t.device)], indices)
 
         def batch_repeat_interleave(self, repeats: int) -> None:
-            self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+            rows = torch.arange(self.prefix.group.numel() if self.prefix is not None else 0).repeat_interleave(repeats)
+            self._select(lambda t: t.repeat_interleave(repeats, dim=0), rows)
 
         def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-            self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+            self._select(lambda t: t.index_select(0, beam_idx.to(t.device)), beam_idx)
 
     return GrowingLayer
 
@@ -119,3 +141,25 @@ def new_cache(config, reserve: int):
     if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
         cache.layer_class_to_replicate = layer
     return cache
+
+
+def share_prefix(cache, group: torch.Tensor, mask: torch.Tensor) -> bool:
+    """After a prefill of G prompts (one cache row each, `mask` [G, P] their padding), let the rows of the
+    batch that follows share them: row r continues prompt group[r], and attention reads each prompt once
+    per step (`deltalens.generation.shared_prefix`). False, with the cache unchanged, where a layer is not
+    ours (sliding-window and other kinds): the caller then copies the prompts to the rows."""
+    growing = _growing_layer_class()
+    if not all(type(layer) is growing and layer.is_initialized for layer in cache.layers):
+        return False
+    for layer in cache.layers:
+        layer.share(group, mask)
+    return True
+
+
+def can_share(model) -> bool:
+    """Whether `share_prefix` will take every layer of `model`'s cache: SDPA attention (which
+    `shared_prefix` extends), a transformers with attention interfaces, and only full-attention layers."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not register():
+        return False
+    growing = _growing_layer_class()
+    return all(type(layer) is growing for layer in new_cache(model.config, 0).layers)

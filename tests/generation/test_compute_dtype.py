@@ -288,3 +288,19 @@ def test_backend_for_spec_in_place_keeps_no_fp32_copy_and_generates_the_same():
     assert be.generate(PROMPTS, GREEDY) == ref.generate(PROMPTS, GREEDY)
     _, m32, _ = backend_for_spec("hf", tiny_spec(), device="cpu", compute_dtype="fp32", in_place=True)
     assert all(p.dtype == torch.float32 for p in m32.parameters())  # nothing to cast
+
+
+def test_compute_copy_runs_its_own_weights_under_a_patched_forward():
+    """TRL's GRPO trainer sets the policy's forward to a wrapper closing over the master's own bound
+    forward; a deep copy of that ran the master (fp32). The compute copy generates with its own weights."""
+    import types
+
+    model, _ = small_llama()
+    original = model.forward
+    model.forward = types.MethodType(lambda self, *a, **k: original(*a, **k), model)  # as TRL patches it
+    copy_ = cd.compute_copy(model, torch.bfloat16)
+    hits = []
+    model.lm_head.register_forward_hook(lambda *a: hits.append("master"))
+    copy_.lm_head.register_forward_hook(lambda *a: hits.append("copy"))
+    out = copy_(input_ids=torch.tensor([[3, 4, 5]]))
+    assert hits == ["copy"] and out.logits.dtype == torch.bfloat16
