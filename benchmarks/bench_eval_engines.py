@@ -27,6 +27,7 @@ import os
 import time
 
 import torch
+from bench_generation import emit
 
 from deltalens.evaluation import evaluate
 from deltalens.generation import HFBackend
@@ -97,11 +98,7 @@ def main():
            "model": args.model, "task": task.name, "limit": args.limit, "samples": args.samples,
            "temperature": args.temperature, "max_new_tokens": task.max_new_tokens,
            "skipped": {e: "vllm is not importable here" for e in skipped}, "rows": rows}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":
