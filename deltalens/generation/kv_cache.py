@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from deltalens.generation.shared_prefix import SharedPrefix, register
+from deltalens.generation.shared_prefix import PromptRows, SharedPrefix, register
 
 
 def cache_name() -> str:
@@ -73,11 +73,12 @@ def _growing_layer_class():
                 self.keys._deltalens_prefix = self.prefix
             return self.keys, self.values
 
-        def share(self, group: torch.Tensor, mask: torch.Tensor) -> None:
+        def share(self, group: torch.Tensor, mask: torch.Tensor, rows: PromptRows | None = None) -> None:
             """Make what the cache holds (one row per prompt, [G, kv heads, P, D]) the shared prompt of rows
-            continuing prompt group[r] (mask [G, P]: True at real tokens); the rows' own tokens start empty."""
+            continuing prompt group[r] (mask [G, P]: True at real tokens; `rows`: the map the cache's other
+            layers hold, when there is one); the rows' own tokens start empty."""
             keys, values = self._k[:, :, :self._n].float(), self._v[:, :, :self._n].float()
-            self.prefix = SharedPrefix(keys, values, mask, group)
+            self.prefix = SharedPrefix(keys, values, mask, group, rows=rows)
             self._k = self._v = None
             self._n = 0
             self.keys, self.values = keys[:0], values[:0]
@@ -109,7 +110,7 @@ def _growing_layer_class():
             if self.is_initialized and tokens_to_remove:
                 self._n = self.keys.shape[-2]
 
-        def _select(self, fn, rows: torch.Tensor) -> None:
+        def _select(self, fn, rows: torch.Tensor | None) -> None:
             if self.is_initialized and self._k is not None:
                 self._k, self._v = fn(self._k), fn(self._v)
                 self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
@@ -120,8 +121,9 @@ def _growing_layer_class():
             self._select(lambda t: t[indices.to(t.device)], indices)
 
         def batch_repeat_interleave(self, repeats: int) -> None:
-            rows = torch.arange(self.prefix.group.numel() if self.prefix is not None else 0).repeat_interleave(repeats)
-            self._select(lambda t: t.repeat_interleave(repeats, dim=0), rows)
+            if self.prefix is not None:  # the layers share one row map, and an int gives no indices to apply once
+                raise NotImplementedError("batch_repeat_interleave of a cache with a shared prompt")
+            self._select(lambda t: t.repeat_interleave(repeats, dim=0), None)
 
         def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
             self._select(lambda t: t.index_select(0, beam_idx.to(t.device)), beam_idx)
@@ -151,8 +153,9 @@ def share_prefix(cache, group: torch.Tensor, mask: torch.Tensor) -> bool:
     growing = _growing_layer_class()
     if not all(type(layer) is growing and layer.is_initialized for layer in cache.layers):
         return False
+    rows = PromptRows(mask, group)  # one row map for every layer
     for layer in cache.layers:
-        layer.share(group, mask)
+        layer.share(group, mask, rows=rows)
     return True
 
 

@@ -18,7 +18,8 @@ per row) computes, for row r of prompt g(r), with s = scaling:
 which is softmax attention over [prompt, own tokens] split in two (the log-sum-exp merge flash attention
 uses between key blocks). The arithmetic is fp32 throughout, as torch's CPU flash kernel does for bf16
 inputs, and the output is cast to the query's dtype; the summation order differs from SDPA's, so
-logits agree to rounding, not bit for bit (greedy completions compared: tests/generation/test_shared_prefix.py).
+logits agree to rounding, not bit for bit (fp32 completions identical, bf16 no further from fp32 attention than
+SDPA's: tests/generation/test_shared_prefix.py).
 Queries of one prompt's rows are packed into one matrix per (prompt, kv head) (rows padded to the largest
 group, GQA's query heads side by side), so the prompt keys are read once per step for all its rows.
 
@@ -38,25 +39,23 @@ import torch
 NAME = "deltalens_sdpa"
 
 
-class SharedPrefix:
-    """One layer's shared prompt: keys/values [G, kv heads, P, D] (fp32), mask [G, P] (True: a real token),
-    and which prompt each row of the batch continues (`group`, [rows]) with its slot in the packed queries."""
+class PromptRows:
+    """Which prompt each row of the batch continues (`group`, [rows]), each row's slot in the packed queries,
+    and the prompts' padding as a bias [G, 1, 1, P] (0 at real tokens, -inf at padding). Every layer's
+    `SharedPrefix` of a cache holds the same one, so rows leaving the batch are mapped once, not per layer."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, group: torch.Tensor):
-        self.keys, self.values = keys, values
-        self.bias = torch.zeros(mask.shape, dtype=torch.float32, device=keys.device).masked_fill_(~mask, float("-inf"))
-        self.bias = self.bias[:, None, None, :]  # [G, 1, 1, P]: added to the prefix scores
+    def __init__(self, mask: torch.Tensor, group: torch.Tensor):
+        self.prompts = mask.shape[0]
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+        self.bias = bias[:, None, None, :]
+        self._last = None
         self.set_group(group)
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[-2]
 
     def set_group(self, group: torch.Tensor) -> None:
         """Rows -> prompts; rows of one prompt get slots 0, 1, ... in order (`width` = the largest count)."""
-        g = group.to(self.keys.device, torch.long)
+        g = group.to(self.bias.device, torch.long)
         self.group = g
-        counts = torch.bincount(g, minlength=self.keys.shape[0])
+        counts = torch.bincount(g, minlength=self.prompts)
         self.width = max(int(counts.max()), 1) if g.numel() else 1
         starts = torch.cumsum(counts, 0) - counts  # first position of each prompt in the sorted rows
         order = torch.argsort(g, stable=True)
@@ -65,7 +64,33 @@ class SharedPrefix:
         self.slot = g * self.width + rank  # [rows]: row r's place in the [G * width] packed queries
 
     def select(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices`. The cache hands every layer the same indices tensor; it is applied once."""
+        if indices is self._last:
+            return
+        self._last = indices
         self.set_group(self.group[indices.to(self.group.device)])
+
+
+class SharedPrefix:
+    """One layer's shared prompt: keys/values [G, kv heads, P, D] (fp32) and the batch's `PromptRows`
+    (made from mask [G, P], True at real tokens, and group [rows] when not given)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None,
+                 group: torch.Tensor | None = None, rows: PromptRows | None = None):
+        self.keys, self.values = keys, values
+        self.rows = rows if rows is not None else PromptRows(mask.to(keys.device), group)
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[-2]
+
+    group = property(lambda self: self.rows.group)
+    slot = property(lambda self: self.rows.slot)
+    width = property(lambda self: self.rows.width)
+    bias = property(lambda self: self.rows.bias)
+
+    def select(self, indices: torch.Tensor) -> None:
+        self.rows.select(indices)
 
 
 def _prefix_part(prefix: SharedPrefix, q: torch.Tensor, scale: float):

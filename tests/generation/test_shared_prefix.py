@@ -159,3 +159,19 @@ def test_shared_batches_keep_the_kv_budget(n):
     shared = next(length_batches(lengths, n, new, budget, 1024, shared=True))
     copies = next(length_batches(lengths, n, new, budget, 1024))
     assert (len(shared) > 2 * len(copies)) == (n == 32)
+
+
+def test_layers_share_one_row_map_applied_once_per_selection():
+    """share_prefix gives every layer the same row map; the cache's row selection (one indices tensor
+    handed to each layer) maps the rows once."""
+    model, _ = small_llama(layers=3)
+    cache = kv_cache.new_cache(model.config, 4)
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    model(input_ids=ids, use_cache=True, **{kv_cache.cache_name(): cache})
+    assert kv_cache.share_prefix(cache, torch.tensor([0, 0, 1, 1, 1]), torch.ones(2, 3, dtype=torch.bool))
+    maps = {id(layer.prefix.rows) for layer in cache.layers}
+    assert len(maps) == 1
+    cache.batch_select_indices(torch.tensor([1, 2, 4]))
+    assert cache.layers[0].prefix.group.tolist() == [0, 1, 1]
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    assert cache.layers[2].prefix.group.tolist() == [0, 1]
