@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_es.py                       # tiny and smollm2
     python benchmarks/bench_es.py --models tiny --population 8 --prompts 16 --iterations 2
     python benchmarks/bench_es.py --models smollm2 --preset smollm2 --iterations 1 --compute-dtype fp32,bf16
+    python benchmarks/bench_es.py --models smollm2 --preset smollm2 --compute-dtype fp32,bf16 --shared-prefix off,on
 
 Prints one JSON document: per model the mean seconds per iteration of each phase and
 `overhead_fraction` = (noise + perturb_restore + update) / iteration, the share of an iteration that
@@ -16,6 +17,11 @@ noise cost does not, so the fraction falls as prompts per iteration approach the
 records the resolved dtype, and `speedup_vs_first` is the first one's iteration time over this one's.
 The cast of the perturbed master to the compute dtype is counted in generation_s (once per member; with
 population batching once per iteration).
+`--shared-prefix off,on` runs each compute dtype without and with a member's common prompt prefix shared
+(`ESConfig.shared_prefix`, population batching only): "off" is the generation of before 2026-12-06; an "on"
+run right after an "off" one records how many of its members' completions differ from the "off" run's
+(`completions_differing_from_off`; the same members, problems and seeds). `rewards`: every iteration's
+member rewards.
 `--preset` takes the ES settings of a preset (population, prompts, noise, population batching, ...);
 --population / --prompts then override it only where given.
 """
@@ -35,7 +41,8 @@ PHASES = ("generation_s", "noise_s", "perturb_restore_s", "update_s", "update_no
 
 
 def bench(model_spec: str, population: int | None, prompts: int | None, iterations: int,
-          max_new_tokens: int | None, dtype: str, compute_dtype: str = "fp32", preset: str | None = None) -> dict:
+          max_new_tokens: int | None, dtype: str, compute_dtype: str = "fp32", preset: str | None = None,
+          shared_prefix: bool | None = None) -> dict:
     import torch
 
     from deltalens.io.models import load_model
@@ -52,15 +59,23 @@ def bench(model_spec: str, population: int | None, prompts: int | None, iteratio
     options.update({k: v for k, v in (("population", population), ("prompts_per_iteration", prompts)) if v})
     if max_new_tokens:
         options["max_new_tokens"] = max_new_tokens
+    if shared_prefix is not None:
+        options["shared_prefix"] = shared_prefix
     cfg = ESConfig.preset(preset or "paper", model=model_spec, iterations=iterations, dtype=dtype,
                           compute_dtype=compute_dtype, eval_every=0, **options)
+    if shared_prefix is not None and cfg.population_batch <= 1:
+        raise SystemExit("--shared-prefix: population batching only (a preset with it, e.g. --preset smollm2)")
     population = cfg.population
     engine = ESEngine(model, tok, make_task(cfg), cfg)
     backend = LocalBackend(engine)
-    rows, forced = [], 0
+    rows, forced, seen, all_rewards = [], 0, [], []
+    score = engine.mean_reward  # every member's completions, in call order (compared between runs in `main`)
+    engine.mean_reward = lambda completions, probs, timing=None: seen.append(list(completions)) or score(
+        completions, probs, timing)
     for it in range(1, iterations + 1):
         t0 = time.perf_counter()
         rewards, timing = backend.evaluate(it, iteration_problems(engine.task, cfg, it))
+        all_rewards.append([float(r) for r in rewards])
         z = fitness_shaping(rewards, cfg.fitness)
         if not any(z):  # all members tied: a real update would skip every draw; time a full one instead
             z = fitness_shaping([float(i % 3) for i in range(population)])
@@ -80,6 +95,7 @@ def bench(model_spec: str, population: int | None, prompts: int | None, iteratio
         "preset": preset,
         "noise": cfg.noise,
         "population_batch": cfg.population_batch,
+        "shared_prefix": cfg.shared_prefix if cfg.population_batch > 1 else None,
         "population": population,
         "prompts": cfg.prompts_per_iteration,
         "max_new_tokens": engine.max_new_tokens,
@@ -92,6 +108,8 @@ def bench(model_spec: str, population: int | None, prompts: int | None, iteratio
         "overhead_fraction": round(overhead / mean["iteration_s"], 4),
         "overhead_with_checksum_fraction": round((overhead + mean["checksum_s"]) / mean["iteration_s"], 4),
         "meets_goal_10pct": overhead / mean["iteration_s"] <= 0.10,
+        "rewards": all_rewards,  # per iteration, per member
+        "_completions": seen,
     }
 
 
@@ -106,6 +124,10 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--compute-dtype", default="fp32",
                     help="comma-separated compute dtypes (auto, fp32, bf16), each run in turn")
+    ap.add_argument("--shared-prefix", default=None,
+                    help="comma-separated on/off: population batching with a member's common prompt prefix "
+                         "shared (ESConfig.shared_prefix), each run in turn within each compute dtype "
+                         "(default: the config's)")
     args = ap.parse_args(argv)
     from deltalens.io.heap import keep_freed_memory
 
@@ -114,13 +136,23 @@ def main(argv=None) -> None:
            "malloc": malloc, "results": []}
     for spec in args.models.split(","):
         first = None
+        shares = [None] if args.shared_prefix is None else [
+            {"on": True, "off": False}[v] for v in args.shared_prefix.split(",")]
         for compute in args.compute_dtype.split(","):
-            r = bench(spec, args.population, args.prompts, args.iterations, args.max_new_tokens, args.dtype,
-                      compute, args.preset)
-            first = first or r
-            r["speedup_vs_first"] = round(first["mean_s"]["iteration_s"] / r["mean_s"]["iteration_s"], 3)
-            out["results"].append(r)
-            print(f"done {spec} ({r['compute_dtype']})", file=sys.stderr)
+            unshared = None
+            for shared in shares:
+                r = bench(spec, args.population, args.prompts, args.iterations, args.max_new_tokens, args.dtype,
+                          compute, args.preset, shared)
+                first = first or r
+                r["speedup_vs_first"] = round(first["mean_s"]["iteration_s"] / r["mean_s"]["iteration_s"], 3)
+                seen = r.pop("_completions")
+                if shared is False:
+                    unshared = seen
+                elif shared and unshared is not None:  # the same dtype without sharing, just before
+                    pairs = [(a, b) for x, y in zip(unshared, seen) for a, b in zip(x, y)]
+                    r["completions_differing_from_off"] = f"{sum(a != b for a, b in pairs)} of {len(pairs)}"
+                out["results"].append(r)
+                print(f"done {spec} ({r['compute_dtype']}, shared prefix {r['shared_prefix']})", file=sys.stderr)
     print(json.dumps(out, indent=2))
 
 

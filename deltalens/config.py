@@ -60,6 +60,26 @@ from typing import Any, ClassVar
 from deltalens.errors import DeltalensError
 
 NOT_NONE = object()  # `needs=("budget", NOT_NONE)`: the other field must be set
+
+
+class AtLeast:
+    """`needs=("population_batch", AtLeast(2))`: the other field must be a number >= `least`."""
+
+    def __init__(self, least):
+        self.least = least
+
+    def __contains__(self, value) -> bool:
+        return value is not None and value >= self.least
+
+    def __str__(self) -> str:
+        return f"{self.least} or more"
+
+
+def _wanted(allowed) -> str:
+    """A `needs` rule's allowed values, as the refusal says them."""
+    if allowed is NOT_NONE:
+        return "set"
+    return str(allowed) if isinstance(allowed, AtLeast) else " or ".join(map(str, allowed))
 RUN_KEYS = ("method", "deltalens_version")  # record fields a run's config.json carries beside the options
 
 
@@ -103,6 +123,7 @@ class Config:
     NAME: ClassVar[str] = ""  # for messages: ES, GRPO, chain
     PRESETS: ClassVar[dict[str, dict]] = {"paper": {}}
     COUNT: ClassVar[str | None] = None
+    ABSENT: ClassVar[dict] = {}  # field -> the value a stored config.json without it ran with (`_with_absent`)
 
     # ---- fields
     @classmethod
@@ -158,7 +179,7 @@ class Config:
         if not isinstance(d, dict):
             raise DeltalensError(f"{source} must be a mapping of option names to values")
         cls._check_method(d, source)
-        values = cls.check_keys({k: v for k, v in d.items() if k not in RUN_KEYS}, source)
+        values = cls._with_absent(cls.check_keys({k: v for k, v in d.items() if k not in RUN_KEYS}, source))
         cfg = cls(**values)
         out = {}
         for name, v in values.items():
@@ -169,7 +190,7 @@ class Config:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if getattr(cfg, name) != default:
                 other, allowed = f.metadata["needs"]
-                want = "set" if allowed is NOT_NONE else " or ".join(map(str, allowed))
+                want = _wanted(allowed)
                 raise DeltalensError(f"{source}: {name} is {_describe(getattr(cfg, name))}, but it is only used "
                                      f"when {other} is {want} (it is {_describe(getattr(cfg, other))}); drop {name} "
                                      f"or set {other}")
@@ -188,8 +209,18 @@ class Config:
         if not isinstance(d, dict):
             raise DeltalensError(f"{source} must be a mapping of option names to values")
         cls._check_method(d, source)
-        values = cls.check_keys({k: v for k, v in d.items() if k not in RUN_KEYS}, source)
+        values = cls._with_absent(cls.check_keys({k: v for k, v in d.items() if k not in RUN_KEYS}, source))
         return cls(**values)
+
+    @classmethod
+    def _with_absent(cls, values: dict) -> dict:
+        """A stored config's values with `ABSENT`'s value for each field it lacks and would use: a field added
+        since, whose default changes the arithmetic, reads back as what the run ran with."""
+        missing = {k: v for k, v in cls.ABSENT.items() if k not in values}
+        if not missing:
+            return values
+        stored = cls(**values)
+        return {**values, **{k: v for k, v in missing.items() if stored.in_use(k)}}
 
     @classmethod
     def current_keys(cls, d: dict, source: str) -> dict:
@@ -263,7 +294,7 @@ class Config:
             if not self.in_use(name):
                 other, allowed = self.field(name).metadata["needs"]
                 value = getattr(self, other)
-                want = "set" if allowed is NOT_NONE else " or ".join(map(str, allowed))
+                want = _wanted(allowed)
                 raise DeltalensError(
                     f"{flag_name(name)} is only used when {flag_name(other)} is {want} (it is "
                     f"{_describe(value)}); drop {flag_name(name)} or set {flag_name(other)}")

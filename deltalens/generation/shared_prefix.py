@@ -23,6 +23,11 @@ SDPA's: tests/generation/test_shared_prefix.py).
 Queries of one prompt's rows are packed into one matrix per (prompt, kv head) (rows padded to the largest
 group, GQA's query heads side by side), so the prompt keys are read once per step for all its rows.
 
+ES's population batching (`deltalens.training.es.population`) shares another prefix the same way: a
+member's prompts' common tokens (chat template, few-shot examples), prefilled once per member; its rows'
+own tokens then start with the rest of their prompt, prefilled in one step of several query tokens per
+row, which gets SDPA over whole rows (the shared keys gathered to each row, causal over the own tokens).
+
 Anything else (the prefill, a step with several query tokens, a cache without a shared prompt) goes to
 transformers' own SDPA attention unchanged. The attention is registered with transformers as
 `deltalens_sdpa` (its mask is SDPA's) and `shared_prompt_attention(model)` selects it for the duration of a
@@ -122,7 +127,7 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     if prefix is None or query.shape[2] != 1 or dropout or kwargs.get("softcap") is not None:
         if prefix is not None:  # not one token per row: give SDPA whole rows (correct, no saving)
             key, value = _whole_rows(prefix, key, value)
-            attention_mask = _whole_mask(prefix, attention_mask, key.shape[-2])
+            attention_mask = _whole_mask(prefix, attention_mask, key.shape[-2], query.shape[2])
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     rows, heads, _, d = query.shape
@@ -149,11 +154,15 @@ def _whole_rows(prefix: SharedPrefix, key, value):
     return torch.cat([k, key], dim=-2), torch.cat([v, value], dim=-2)
 
 
-def _whole_mask(prefix: SharedPrefix, attention_mask, length: int):
+def _whole_mask(prefix: SharedPrefix, attention_mask, length: int, queries: int):
+    """The mask over [prompt, own tokens] of whole rows: transformers' own where it made one; else the
+    prompt's padding, and the own tokens causal for the `queries` last of them."""
     if attention_mask is not None:
         return attention_mask
     real = torch.isfinite(prefix.bias[prefix.group])  # [rows, 1, 1, P]
-    return torch.cat([real, real.new_ones(*real.shape[:-1], length - prefix.length)], dim=-1)
+    own = length - prefix.length
+    causal = torch.ones(queries, own, dtype=torch.bool, device=real.device).tril_(own - queries)  # [q, own]
+    return torch.cat([real.expand(-1, -1, queries, -1), causal.expand(real.shape[0], 1, -1, -1)], dim=-1)
 
 
 @functools.cache

@@ -59,7 +59,7 @@ FREE = ("seeds", "methods", "base_seeds", "first_run_measures", "ray", "cpus_per
 # a run's config.json fields that do not change what it trains: the seed (differs by design), logging,
 # checkpointing, validation passes, how the work is batched or where it runs, the version string
 RUN_FREE = ("seed", "eval_every", "eval_limit", "checkpoint_every", "save_every", "save_steps", "save_pt",
-            "report_to", "logging_steps", "noise_threads", "population_batch", "max_micro_batch", "backend",
+            "report_to", "logging_steps", "noise_threads", "population_batch", "shared_prefix", "max_micro_batch", "backend",
             "device", "deltalens_version")
 
 

@@ -57,6 +57,28 @@ def test_split_softmax_equals_sdpa_over_whole_rows(select):
     torch.testing.assert_close(ours_none, ref, rtol=1e-5, atol=1e-6)  # no mask given: the prompt's own
 
 
+def test_several_query_tokens_get_whole_rows_causally():
+    """A step with several query tokens per row (ES's rows prefilling their own rest after a shared prefix):
+    SDPA over whole rows, causal over the own tokens, also when transformers gives no mask."""
+    g = torch.Generator().manual_seed(2)
+    G, kvh, rep, P, S, D = 2, 1, 3, 5, 4, 8
+    pk, pv = torch.randn(G, kvh, P, D, generator=g), torch.randn(G, kvh, P, D, generator=g)
+    pmask = torch.ones(G, P, dtype=torch.bool)
+    group = torch.tensor([0, 0, 1])
+    prefix = shared_prefix.SharedPrefix(pk, pv, pmask, group)
+    q = torch.randn(3, kvh * rep, S, D, generator=g)
+    sk, sv = torch.randn(3, kvh, S, D, generator=g), torch.randn(3, kvh, S, D, generator=g)
+    sk._deltalens_prefix = prefix
+    ours, _ = shared_prefix.shared_prefix_attention(_Module(), q, sk, sv, None, scaling=0.5)
+    k = torch.cat([pk[group], sk], -2).repeat_interleave(rep, 1)
+    v = torch.cat([pv[group], sv], -2).repeat_interleave(rep, 1)
+    causal = torch.ones(S, P + S, dtype=torch.bool).tril_(P)  # query i sees the prompt and own tokens <= i
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=0.5).transpose(1, 2)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    bidirectional = F.scaled_dot_product_attention(q, k, v, scale=0.5).transpose(1, 2)
+    assert not torch.allclose(ours, bidirectional)  # the mask made a difference
+
+
 def test_without_a_shared_prompt_it_is_sdpa():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
-from deltalens.config import Config, check, option
+from deltalens.config import AtLeast, Config, check, option
 from deltalens.generation.prompts import CHAT_MODES
 from deltalens.training.budget import iterations_for_budget, parse_budget
 from deltalens.training.tracking import HELP as REPORT_TO_HELP
@@ -101,6 +101,10 @@ class ESConfig(Config):
                        trajectory=True)
     population_batch: int = option(0, "members per batched generation (deltalens.training.es.population); 0 or 1: "
                                    "one by one", trajectory=True)
+    shared_prefix: bool = option(True, "population batching: a member's prompts read their common token prefix (chat "
+                                 "template, few-shot examples) from one KV cache, prefilled once per member and "
+                                 "read once per decoding step (SDPA models; the same completions up to rounding)",
+                                 needs=("population_batch", AtLeast(2)), trajectory=True)
     device: str = option("cpu", "local backend: where the model runs (cpu, cuda, cuda:N, auto); noise is drawn on "
                          "the CPU")
     compute_dtype: str = option("auto", "dtype members generate in: auto (bf16 where bf16 matmuls are fast, a CPU "
@@ -108,6 +112,10 @@ class ESConfig(Config):
                                 "some perturbed matrix's median |w| (norm weights stay fp32); else fp32), fp32, bf16; the "
                                 "fp32 master is updated as always (with bf16, each member is cast into the bf16 copy and the master is "
                                 "never perturbed)", trajectory=True)
+
+    # runs recorded before `shared_prefix` existed (2026-12-06) generated without it: their config.json, read
+    # back for a resume or a re-run, keeps that arithmetic
+    ABSENT: ClassVar[dict] = {"shared_prefix": False}
 
     PRESETS: ClassVar[dict[str, dict]] = {
         "paper": {},

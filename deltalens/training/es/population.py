@@ -22,6 +22,16 @@ ended (their rows leave the batch and the cache, their tensors leave `Members`):
 stops costing compute within SEGMENT tokens (rows that ended inside a member still running are computed
 on), and each member keeps its B rows, so the arithmetic per row does not change.
 
+Shared prefix (`ESConfig.shared_prefix`, on by default since 2026-12-06): a chat model's prompts share
+most of their tokens (SmolLM2's chat template and two few-shot examples: ~120 of ~149), and every row of
+G x B recomputed them and every decoding step read them B times per member. With the option, a batch's
+common token prefix goes through the model once per member (G rows, each member's weights), each member's
+B rows read it in place (`deltalens.generation.shared_prefix`: the prefix keys and values once per member
+and step, fp32, the split softmax), and each row's own rest of its prompt, left padded after the prefix
+with positions continuing from it, is prefilled in the first `generate` call (several query tokens per
+row: attention over whole rows). Completions equal the unshared batch's up to rounding (fp32 on tiny:
+identical, tests/training/es/test_population.py); measured figures in benchmarks/README.md.
+
 Which members and which noise: the local backend (`deltalens.training.es.backends.local`) sends each
 group of `population_batch` members here. Noise is the engine's noise family, from the same seeds
 (`deltalens.training.es.noise`: the dense rows through `ESEngine.perturber`, the low-rank factors from
@@ -80,10 +90,11 @@ from torch import nn
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches
 from deltalens.generation.hf import ended_rows
-from deltalens.generation.kv_cache import cache_name, new_cache
+from deltalens.generation.kv_cache import cache_name, can_share, new_cache, share_prefix
 from deltalens.generation.params import decode_completion
 from deltalens.generation.prompts import problem_prompts
 from deltalens.generation.sampling import sampling_kwargs
+from deltalens.generation.shared_prefix import shared_prompt_attention
 from deltalens.io.heap import release_freed_memory
 from deltalens.training.es.noise import block_in
 
@@ -316,11 +327,37 @@ def member_modules(model: nn.Module, members: Members):
 # generation and scoring
 
 SEGMENT = 16  # new tokens per `generate` call between retirements of finished members
+MIN_SHARED = 8  # the least common prefix (tokens) worth a prefill and a shared cache of its own
+
+
+def common_prefix(seqs: list[list[int]]) -> int:
+    """Tokens every sequence of `seqs` starts with, short of the shortest's last (each row keeps at least
+    one token of its own: the prefill of the rows needs a query)."""
+    first, n = seqs[0], min(len(s) for s in seqs) - 1
+    for s in seqs[1:]:
+        n = next((i for i in range(n) if s[i] != first[i]), n)
+    return max(n, 0)
+
+
+def _prefill_shared(model, prefix: list[int], replicas: int, rows_each: int, cache, device) -> bool:
+    """Prefill `prefix` once per replica (row g of the cache: replica g's weights through the member-aware
+    forwards) and let replica g's `rows_each` rows (g·rows_each ..) read it in place (`kv_cache.share_prefix`).
+    False where a layer is not ours: the rows then get copies of their replica's prefix (still one prefill)."""
+    name = cache_name()
+    ids = torch.tensor(prefix, device=device).expand(replicas, -1)
+    pos = torch.arange(len(prefix), device=device).expand(replicas, -1)
+    model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{name: cache})
+    group = torch.arange(replicas, device=device).repeat_interleave(rows_each)
+    if share_prefix(cache, group, torch.ones(replicas, len(prefix), dtype=torch.bool, device=device)):
+        return True
+    cache.batch_select_indices(group)
+    return False
 
 
 @torch.no_grad()
 def generate_replicated(generator, prompts: list[str], replicas: int, params, members: Members | None = None,
-                        segment: int | None = SEGMENT, model: nn.Module | None = None) -> list[list[str]]:
+                        segment: int | None = SEGMENT, model: nn.Module | None = None,
+                        shared: bool = False) -> list[list[str]]:
     """out[g][i]: the completion of prompt i by replica g (one completion per prompt).
 
     The prompts are cut into the batches `HFBackend.generate` makes (sorted by length, same size bound,
@@ -330,6 +367,11 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
     calls the replicas whose rows have all ended are retired (rows, cache and `members` cut down), so
     a member that ends early stops costing compute, as it would alone. segment=None: one call.
     `model`: the module that generates (default generator.model; the engine's compute copy in bf16).
+    shared: a batch's prompts' common token prefix (chat template, few-shot examples: ~120 of SmolLM2's
+    ~149 prompt tokens) is prefilled once per replica, not once per row, and its rows read it in place
+    (`deltalens.generation.shared_prefix`: once per replica and decoding step); each row then prefills its
+    own rest (left padded after the prefix, positions continuing from it) inside the first `generate` call.
+    The same arithmetic up to rounding (the split softmax; prefix keys and values kept in fp32).
     """
     from transformers.utils import logging as hf_logging
 
@@ -344,9 +386,15 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
     verbosity = hf_logging.get_verbosity()
     batches = length_batches([len(e) for e in enc], 1, params.max_new_tokens, generator.batch_tokens,
                              generator.max_batch)
+    share = shared and can_share(model)
     for batch, items in enumerate(batches):
         chunk = [i for i, _ in items]
-        ids, att = left_pad([enc[i] for i in chunk], tok.pad_token_id)
+        cut = common_prefix([enc[i] for i in chunk]) if share else 0
+        cut = cut if cut >= MIN_SHARED else 0
+        ids, att = left_pad([enc[i][cut:] for i in chunk], tok.pad_token_id)  # padding after the prefix
+        if cut:
+            ids = torch.cat([torch.tensor(enc[chunk[0]][:cut]).expand(len(chunk), -1), ids], dim=1)
+            att = torch.cat([att.new_ones(len(chunk), cut), att], dim=1)
         t = ids.shape[1]
         seqs, mask = ids.repeat(replicas, 1).to(device), att.repeat(replicas, 1).to(device)
         live, produced = list(range(replicas)), 0
@@ -354,35 +402,38 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
         if members is not None:
             members.reset()
         torch.manual_seed(params.seed + batch)
-        try:
-            while live:
-                if produced:  # rows that ended end in padding: not the right padding transformers warns of
-                    hf_logging.set_verbosity_error()
-                step = min(segment or params.max_new_tokens, params.max_new_tokens - produced)
-                res = model.generate(input_ids=seqs, attention_mask=mask, max_new_tokens=step,
-                                     pad_token_id=tok.pad_token_id, eos_token_id=eos,
-                                     return_dict_in_generate=True, **{name: cache}, **kw)
-                new = res.sequences.shape[1] - seqs.shape[1]
-                seqs, cache, produced = res.sequences, getattr(res, name), produced + new
-                mask = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
-                gen = seqs[:, t:].cpu()
-                ended = ended_rows(tok, gen, params.stop).view(len(live), len(chunk)).all(1).tolist()
-                stop = produced >= params.max_new_tokens or new < step
-                keep = [k for k in range(len(live)) if not (stop or ended[k])]
-                for k, g in enumerate(live):
-                    if k not in keep:
-                        for r, i in enumerate(chunk):
-                            out[g][i] = decode_completion(tok, gen[k * len(chunk) + r].tolist(), params.stop)
-                if keep and len(keep) < len(live):
-                    rows = torch.cat([torch.arange(k * len(chunk), (k + 1) * len(chunk)) for k in keep])
-                    rows = rows.to(device)
-                    seqs, mask = seqs[rows], mask[rows]
-                    cache.batch_select_indices(rows)
-                    if members is not None:
-                        members.retire(keep)
-                live = [live[k] for k in keep]
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        with shared_prompt_attention(model, bool(cut)):  # the prefix read in place (a no-op without one)
+            try:
+                if cut:
+                    _prefill_shared(model, enc[chunk[0]][:cut], replicas, len(chunk), cache, device)
+                while live:
+                    if produced:  # rows that ended end in padding: not the right padding transformers warns of
+                        hf_logging.set_verbosity_error()
+                    step = min(segment or params.max_new_tokens, params.max_new_tokens - produced)
+                    res = model.generate(input_ids=seqs, attention_mask=mask, max_new_tokens=step,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=eos,
+                                         return_dict_in_generate=True, **{name: cache}, **kw)
+                    new = res.sequences.shape[1] - seqs.shape[1]
+                    seqs, cache, produced = res.sequences, getattr(res, name), produced + new
+                    mask = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
+                    gen = seqs[:, t:].cpu()
+                    ended = ended_rows(tok, gen, params.stop).view(len(live), len(chunk)).all(1).tolist()
+                    stop = produced >= params.max_new_tokens or new < step
+                    keep = [k for k in range(len(live)) if not (stop or ended[k])]
+                    for k, g in enumerate(live):
+                        if k not in keep:
+                            for r, i in enumerate(chunk):
+                                out[g][i] = decode_completion(tok, gen[k * len(chunk) + r].tolist(), params.stop)
+                    if keep and len(keep) < len(live):
+                        rows = torch.cat([torch.arange(k * len(chunk), (k + 1) * len(chunk)) for k in keep])
+                        rows = rows.to(device)
+                        seqs, mask = seqs[rows], mask[rows]
+                        cache.batch_select_indices(rows)
+                        if members is not None:
+                            members.retire(keep)
+                    live = [live[k] for k in keep]
+            finally:
+                hf_logging.set_verbosity(verbosity)
         cache = res = None  # this batch's cache and outputs freed before the trim
         release_freed_memory()  # the batch's cache and logits, back to the OS (`kv_cache`)
     return out
@@ -404,7 +455,8 @@ def evaluate_batched(engine, iteration: int, members: Sequence[int], problems,
         t0 = time.perf_counter()
         with member_modules(runner, Members(weights, len(group))) as live:
             completions = generate_replicated(engine.generator, prompts, len(group), engine.sampling_params(),
-                                              live, segment=SEGMENT, model=runner)
+                                              live, segment=SEGMENT, model=runner,
+                                              shared=engine.config.shared_prefix)
         for g, m in enumerate(group):
             out[m] = engine.mean_reward(completions[g], problems, timing)
         timing["generation_s"] += time.perf_counter() - t0

@@ -330,3 +330,63 @@ def test_cli_lowrank_batched_train_and_resume(tmp_path):
     assert r.exit_code == 2 and "noise" in r.output
     r = run_cli(args[:-6] + ["--out", str(tmp_path / "x"), "--rank", "2"])
     assert r.exit_code == 2 and "--noise lowrank" in r.output
+
+
+# ---------------------------------------------------------------------------- a shared prompt prefix
+
+
+def test_common_prefix_known_answers():
+    from deltalens.training.es.population import common_prefix
+
+    assert common_prefix([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9, 9, 9]]) == 2
+    assert common_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shortest keeps a token of its own
+    assert common_prefix([[5], [5, 6]]) == 0
+    assert common_prefix([[1, 2], [3, 4]]) == 0
+
+
+@pytest.mark.parametrize("noise", ["lowrank", "full"])
+def test_shared_prefix_gives_the_completions_of_the_copies(noise, monkeypatch):
+    """Population batching with each member's few-shot prefix prefilled once and read in place gives every
+    member's completions of the unshared batch (fp32, greedy, tiny): several batches, members retired
+    between segments; and the sharing is really taken."""
+    from deltalens.generation import shared_prefix as sp
+    from deltalens.io.models import load_model
+    from deltalens.training.es import population as pop_mod
+
+    torch.set_num_threads(1)
+    model, tok = load_model("tiny")
+    cfg = ESConfig(model="tiny", task="add:digits=1-2,terms=2,shots=2", noise=noise, population_batch=4,
+                   **{**FAST, "sigma": 0.03, "max_new_tokens": 24})
+    monkeypatch.setattr(pop_mod, "SEGMENT", 4)
+    taken, retired = [], []
+    prefill, part, retire = pop_mod._prefill_shared, sp._prefix_part, Members.retire
+    monkeypatch.setattr(pop_mod, "_prefill_shared", lambda *a: taken.append(len(a[1])) or prefill(*a))
+    monkeypatch.setattr(sp, "_prefix_part", lambda *a: taken.append("step") or part(*a))
+    monkeypatch.setattr(Members, "retire", lambda self, keep: retired.append(len(keep)) or retire(self, keep))
+    out = {}
+    for shared in (False, True):
+        eng = ESEngine(model, tok, make_task(cfg), dataclasses.replace(cfg, shared_prefix=shared))
+        eng.generator.batch_tokens = 600  # the 8 prompts in 2 batches
+        out[shared] = _responses(eng, 1, iteration_problems(eng.task, cfg, 1))
+        if not shared:
+            assert not taken
+    assert out[True] == out[False]
+    completions = [c for member in out[True][1] for c in member]
+    assert len(set(completions)) > 4  # members wrote different things
+    prefixes = [n for n in taken if n != "step"]
+    assert len(prefixes) == 2 and min(prefixes) >= 90  # two batches, each its ~100-token few-shot prefix
+    assert taken.count("step") > 0 and retired
+
+
+def test_shared_prefix_option():
+    """On by default with population batching; refused where it means nothing; a run recorded before the
+    option read back as what it ran with (no sharing)."""
+    assert ESConfig(population=4, population_batch=4).shared_prefix is True
+    with pytest.raises(DeltalensError, match="--shared-prefix is only used when --population-batch is 2 or more"):
+        ESConfig.resolve(given={"shared_prefix": False})
+    old = {k: v for k, v in ESConfig(population=4, population_batch=4).to_dict().items() if k != "shared_prefix"}
+    assert ESConfig.from_dict(old).shared_prefix is False
+    assert ESConfig.run_options(old)["shared_prefix"] is False
+    one_by_one = {k: v for k, v in ESConfig().to_dict(in_use=True).items()}
+    assert "shared_prefix" not in one_by_one and ESConfig.from_dict(one_by_one).shared_prefix is True
+    assert "shared_prefix" in ESConfig.trajectory_fields()
