@@ -7,7 +7,8 @@ help line, and optionally
     flags       extra command-line names (`--prompts`, `-N`); the main one is `--field-name`
     trajectory  the field decides the run's trajectory: a resumed run must keep its value
     needs       (other field, allowed values): the option means something only when that field has
-                one of those values; given explicitly otherwise, it is refused (never silently ignored)
+                one of those values (`NOT_NONE`: any; `AtLeast(n)`: n or more); given explicitly otherwise,
+                it is refused (never silently ignored)
     cli         False keeps a field off the command line (set by a chain, for example)
     min         the least value of a number (the command line and YAML refuse a smaller one)
     repeat      a tuple of strings given by repeating the option (`--label a --label b`), not by commas
@@ -36,6 +37,10 @@ and gives the options as the *stored* base of the new run (as a resume does), no
 no preset lies under them, a stored budget and its count are one setting (the command line may replace
 either) and the re-run is bit-identical. Older runs stored every field: an unused option there is dropped
 when it holds its default and refused otherwise (never silently ignored).
+
+A field added after runs were recorded, whose default changes what a run computes, names in the class's
+`ABSENT` the value such a run ran with: a stored config.json without the field reads back with it (a resume
+or a re-run keeps the old arithmetic; ES's `shared_prefix`).
 
 A YAML file (`load_yaml`) is read within limits before anything is coerced: at most 64 KiB, 32 levels, 10,000
 values, integers of 100 characters, and no aliases (`*name`: the "billion laughs" expansion); a wrong value's
@@ -80,6 +85,8 @@ def _wanted(allowed) -> str:
     if allowed is NOT_NONE:
         return "set"
     return str(allowed) if isinstance(allowed, AtLeast) else " or ".join(map(str, allowed))
+
+
 RUN_KEYS = ("method", "deltalens_version")  # record fields a run's config.json carries beside the options
 
 
