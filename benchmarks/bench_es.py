@@ -42,7 +42,7 @@ PHASES = ("generation_s", "noise_s", "perturb_restore_s", "update_s", "update_no
 
 def bench(model_spec: str, population: int | None, prompts: int | None, iterations: int,
           max_new_tokens: int | None, dtype: str, compute_dtype: str = "fp32", preset: str | None = None,
-          shared_prefix: bool | None = None) -> dict:
+          shared_prefix: bool | None = None, task: str | None = None) -> dict:
     import torch
 
     from deltalens.io.models import load_model
@@ -61,6 +61,9 @@ def bench(model_spec: str, population: int | None, prompts: int | None, iteratio
         options["max_new_tokens"] = max_new_tokens
     if shared_prefix is not None:
         options["shared_prefix"] = shared_prefix
+    from deltalens.presets import MODELS
+
+    options["task"] = task or MODELS.get(model_spec, {}).get("task", "arith")  # as `deltalens train es` resolves it
     cfg = ESConfig.preset(preset or "paper", model=model_spec, iterations=iterations, dtype=dtype,
                           compute_dtype=compute_dtype, eval_every=0, **options)
     if shared_prefix is not None and cfg.population_batch <= 1:
@@ -93,6 +96,7 @@ def bench(model_spec: str, population: int | None, prompts: int | None, iteratio
         "dtype": dtype,
         "compute_dtype": engine.compute_dtype,
         "preset": preset,
+        "task": cfg.task,
         "noise": cfg.noise,
         "population_batch": cfg.population_batch,
         "shared_prefix": cfg.shared_prefix if cfg.population_batch > 1 else None,
@@ -121,6 +125,8 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default=None, help="ES preset (e.g. smollm2, tiny): its settings")
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--task", default=None, help="task spec (default: the model's own, as `deltalens train es` "
+                    "picks it: deltalens.presets; before 2026-12-06 this benchmark always ran arith)")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--compute-dtype", default="fp32",
                     help="comma-separated compute dtypes (auto, fp32, bf16), each run in turn")
@@ -142,7 +148,7 @@ def main(argv=None) -> None:
             unshared = None
             for shared in shares:
                 r = bench(spec, args.population, args.prompts, args.iterations, args.max_new_tokens, args.dtype,
-                          compute, args.preset, shared)
+                          compute, args.preset, shared, args.task)
                 first = first or r
                 r["speedup_vs_first"] = round(first["mean_s"]["iteration_s"] / r["mean_s"]["iteration_s"], 3)
                 seen = r.pop("_completions")
