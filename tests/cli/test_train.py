@@ -52,6 +52,7 @@ ES_TABLE = {
     "noise": (["--noise", "lowrank"], "lowrank"),
     "rank": (["--rank", "4", "--noise", "lowrank"], 4),
     "population_batch": (["--population-batch", "8"], 8),
+    "shared_prefix": (["--no-shared-prefix", "--population-batch", "8"], False),
     "device": (["--device", "auto"], "auto"),
     "report_to": (["--report-to", "tensorboard"], "tensorboard"),
 }
@@ -172,8 +173,14 @@ def test_each_stage_option_reaches_its_stage(method, field, captured, tmp_path):
     # stage flags are --es-<field> / --grpo-<field> (no short aliases); the extra words name fields too
     cls = ESConfig if method == "es" else GRPOConfig
     aliases = {flag: f.name for f in dataclasses.fields(cls) for flag in (flag_name(f.name), *f.metadata["flags"])}
-    stage_words = [flag_name(aliases[w], f"{method}_") if w in aliases else
-                   ("--" + method + "-" + w[2:] if w.startswith("--") else w) for w in words]
+
+    def stage(w):  # --no-<field> of a switch -> --no-<method>-<field>
+        if w.startswith("--no-") and "--" + w[5:] in aliases:
+            return "--no-" + flag_name(aliases["--" + w[5:]], f"{method}_")[2:]
+        return flag_name(aliases[w], f"{method}_") if w in aliases else (
+            "--" + method + "-" + w[2:] if w.startswith("--") else w)
+
+    stage_words = [stage(w) for w in words]
     r = run_cli(["train", "chain", "--out", tmp_path / "run", *stage_words])
     assert r.exit_code == 0, r.output
     assert getattr(captured[f"{method}_config"], field) == want
