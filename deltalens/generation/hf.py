@@ -74,6 +74,20 @@ def ended_rows(tok, gen: torch.Tensor, stop: tuple[str, ...] = ()) -> torch.Tens
     return ended
 
 
+def prefill_prompts(runner, ids: torch.Tensor, att: torch.Tensor, group: torch.Tensor, cache, share: bool) -> bool:
+    """Prefill prompts `ids` (G rows, left padded where `att` is 0; positions from the mask as `generate`
+    derives them) into `cache`, then hand row r of the batch that follows prompt group[r]: read in place
+    (`kv_cache.share_prefix`) where `share` and every layer allow it, else a copy. Returns whether shared.
+    (`HFBackend`'s samples of a prompt; ES's members' common prompt prefix, `training.es.population`.)"""
+    pos = (att.cumsum(-1) - 1).masked_fill(att == 0, 0)
+    runner(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1,
+           **{cache_name(): cache})
+    if share and share_prefix(cache, group, att.bool()):
+        return True
+    cache.batch_select_indices(group)
+    return False
+
+
 class HFBackend:
     """Batched sampling with transformers `generate` (KV cache, left padding, stop at EOS).
 
@@ -185,12 +199,7 @@ class HFBackend:
             expand = torch.tensor([where[i] for i in owners], device=device)  # (rows,) -> distinct prompt
             ids, att = ids.to(device), att.to(device)
             if ids.shape[1] > 1:
-                pre = att[:, :-1]
-                pos = (pre.cumsum(-1) - 1).masked_fill(pre == 0, 0)  # as `generate` derives them
-                runner(input_ids=ids[:, :-1], attention_mask=pre, position_ids=pos, use_cache=True,
-                       logits_to_keep=1, **{name: cache})
-                if not (share and share_prefix(cache, expand, pre.bool())):
-                    cache.batch_select_indices(expand)
+                prefill_prompts(runner, ids[:, :-1], att[:, :-1], expand, cache, share)
             ids, att = ids[expand], att[expand]
         else:
             ids, att = left_pad([enc[i] for i in owners], tok.pad_token_id)

@@ -89,8 +89,8 @@ from torch import nn
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches
-from deltalens.generation.hf import ended_rows
-from deltalens.generation.kv_cache import cache_name, can_share, new_cache, share_prefix
+from deltalens.generation.hf import ended_rows, prefill_prompts
+from deltalens.generation.kv_cache import cache_name, can_share, new_cache
 from deltalens.generation.params import decode_completion
 from deltalens.generation.prompts import problem_prompts
 from deltalens.generation.sampling import sampling_kwargs
@@ -339,21 +339,6 @@ def common_prefix(seqs: list[list[int]]) -> int:
     return max(n, 0)
 
 
-def _prefill_shared(model, prefix: list[int], replicas: int, rows_each: int, cache, device) -> bool:
-    """Prefill `prefix` once per replica (row g of the cache: replica g's weights through the member-aware
-    forwards) and let replica g's `rows_each` rows (g·rows_each ..) read it in place (`kv_cache.share_prefix`).
-    False where a layer is not ours: the rows then get copies of their replica's prefix (still one prefill)."""
-    name = cache_name()
-    ids = torch.tensor(prefix, device=device).expand(replicas, -1)
-    pos = torch.arange(len(prefix), device=device).expand(replicas, -1)
-    model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{name: cache})
-    group = torch.arange(replicas, device=device).repeat_interleave(rows_each)
-    if share_prefix(cache, group, torch.ones(replicas, len(prefix), dtype=torch.bool, device=device)):
-        return True
-    cache.batch_select_indices(group)
-    return False
-
-
 @torch.no_grad()
 def generate_replicated(generator, prompts: list[str], replicas: int, params, members: Members | None = None,
                         segment: int | None = SEGMENT, model: nn.Module | None = None,
@@ -369,7 +354,7 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
     `model`: the module that generates (default generator.model; the engine's compute copy in bf16).
     shared: a batch's prompts' common token prefix (chat template, few-shot examples: ~120 of SmolLM2's
     ~149 prompt tokens) is prefilled once per replica, not once per row, and its rows read it in place
-    (`deltalens.generation.shared_prefix`: once per replica and decoding step); each row then prefills its
+    (`generation.hf.prefill_prompts`, the prefill HFBackend gives a prompt's samples); each row then prefills its
     own rest (left padded after the prefix, positions continuing from it) inside the first `generate` call.
     The same arithmetic up to rounding (the split softmax; prefix keys and values kept in fp32).
     """
@@ -404,8 +389,10 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
         torch.manual_seed(params.seed + batch)
         with shared_prompt_attention(model, bool(cut)):  # the prefix read in place (a no-op without one)
             try:
-                if cut:
-                    _prefill_shared(model, enc[chunk[0]][:cut], replicas, len(chunk), cache, device)
+                if cut:  # the prefix once per replica (its weights), read in place by its rows
+                    prefix = torch.tensor(enc[chunk[0]][:cut], device=device).expand(replicas, -1)
+                    prefill_prompts(model, prefix, torch.ones_like(prefix),
+                                    torch.arange(replicas, device=device).repeat_interleave(len(chunk)), cache, True)
                 while live:
                     if produced:  # rows that ended end in padding: not the right padding transformers warns of
                         hf_logging.set_verbosity_error()

@@ -359,8 +359,8 @@ def test_shared_prefix_gives_the_completions_of_the_copies(noise, monkeypatch):
                    **{**FAST, "sigma": 0.03, "max_new_tokens": 24})
     monkeypatch.setattr(pop_mod, "SEGMENT", 4)
     taken, retired = [], []
-    prefill, part, retire = pop_mod._prefill_shared, sp._prefix_part, Members.retire
-    monkeypatch.setattr(pop_mod, "_prefill_shared", lambda *a: taken.append(len(a[1])) or prefill(*a))
+    prefill, part, retire = pop_mod.prefill_prompts, sp._prefix_part, Members.retire
+    monkeypatch.setattr(pop_mod, "prefill_prompts", lambda *a: taken.append(a[1].shape[1]) or prefill(*a))
     monkeypatch.setattr(sp, "_prefix_part", lambda *a: taken.append("step") or part(*a))
     monkeypatch.setattr(Members, "retire", lambda self, keep: retired.append(len(keep)) or retire(self, keep))
     out = {}
