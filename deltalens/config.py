@@ -264,8 +264,11 @@ class Config:
     # ---- presets and the three sources
     @classmethod
     def preset(cls, name: str, **overrides) -> Config:
-        """A named preset (`paper` = the defaults) plus overrides."""
-        return cls(**{**cls.preset_values(name), **overrides})
+        """A named preset (`paper` = the defaults) plus overrides; an override this config does not use
+        (its `needs` rule fails) is refused as on the command line (`check_needs`)."""
+        cfg = cls(**{**cls.preset_values(name), **overrides})
+        cfg.check_needs(overrides)
+        return cfg
 
     @classmethod
     def preset_values(cls, name: str) -> dict:

@@ -34,6 +34,18 @@ def test_round_trip_and_unknown_keys():
         GRPOConfig.from_dict(d)
 
 
+def test_preset_overrides_keep_the_needs_rules():
+    """`Config.preset(name, **overrides)` (the Python API) refuses an override its config does not use, as the
+    command line and YAML do; the same option left at the preset's value is no refusal."""
+    with pytest.raises(DeltalensError, match="--shared-prefix is only used when --population-batch is 2 or more"):
+        ESConfig.preset("smollm2", population_batch=0, shared_prefix=False)
+    with pytest.raises(DeltalensError, match="--rank 2 needs --noise lowrank"):
+        ESConfig.preset("tiny", noise="full", rank=2)
+    cfg = ESConfig.preset("smollm2", population_batch=0)  # shared_prefix stays the preset's, unused
+    assert cfg.population_batch == 0 and not cfg.in_use("shared_prefix")
+    assert ESConfig.preset("smollm2", shared_prefix=False).shared_prefix is False
+
+
 def test_budget_decides_the_count_once():
     cfg = ESConfig(budget="64k", population=4, prompts_per_iteration=8)  # 2·4·8 = 64 units per iteration
     assert (cfg.iterations, cfg.budget) == (1000, 64000.0)
