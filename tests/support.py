@@ -43,6 +43,30 @@ def small_llama(tied: bool = False, bias: bool = False, dtype=torch.float32, see
     return model, tok
 
 
+def small_gemma3(sliding: bool = False, seed: int = 3):
+    """(model, tokenizer): a small random Gemma 3 text model with the tiny model's tokenizer: head_dim 16 apart
+    from hidden/heads, q/k norms, four norms per block, √hidden-scaled embedding, tied embeddings, random norm
+    weights (so a misplaced norm, or a norm read as w where 1 + w acts, cannot pass unnoticed); `sliding`: the
+    first of its two layers sliding-window attention (window 16), as Gemma 3's are five in six."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from deltalens.tiny.build import build_tokenizer
+
+    torch.manual_seed(seed)
+    tok = build_tokenizer()
+    extra = {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]} if sliding else {}
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                           **extra)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_()
+    return model, tok
+
+
 def weights(model) -> dict[str, torch.Tensor]:
     """A detached copy of a model's state dict."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import small_gemma3
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.vllm_layout import (
@@ -59,23 +60,7 @@ def llama_biased():
 
 
 def gemma3():
-    """A small random Gemma 3 text model: head_dim 16 apart from hidden/heads, q/k norms, four norms per block,
-    tied embeddings (random norm weights, so a misplaced norm cannot pass unnoticed)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    from deltalens.tiny.build import build_tokenizer
-
-    torch.manual_seed(3)
-    tok = build_tokenizer()
-    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
-                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    model = Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.normal_()
-    return model, tok
+    return small_gemma3()
 
 
 def test_gemma3_slices_known_answers():

@@ -12,7 +12,8 @@ get a member-aware forward that views the batch as [G, B·T, ...] and applies ea
                              member (one in-place baddbmm_: the rank-r product is never a tensor of its own)
     nn.Embedding  full rank: rows gathered from the stacked tables
                   low rank:  W[t] + (±σ/√r)·A_i[t]·B_iᵀ (accumulated the same way)
-    RMSNorm       (Llama-style, 1-D weight: full-rank noise in both modes) stacked weights [G, d]
+    RMSNorm       (1-D weight: full-rank noise in both modes) stacked weights [G, d]; Llama's w·x̂ and
+                  Gemma's x̂·(1 + w) (its stored w, as the master holds it), each recognised by its output
 
 Stragglers: one `generate` call runs until its longest row ends, and among G perturbed members some
 row often runs to the token budget (on tiny, N=32 x P=64: the centre's rows all end by token 45, the
@@ -73,8 +74,12 @@ holds G·r·(out + in) floats per matrix. The KV cache grows with G·B rows eith
 Departures from EGGROLL: members run inside HF `generate` (segmented, see above) rather than a custom
 JAX inference engine;
 full-rank members are batched too (stacked weights), for exact agreement with the paper's dense ES;
-the 1-D tensors keep dense noise; non-Llama modules that own trained tensors are refused rather than
-guessed (exclude them with --params).
+the 1-D tensors keep dense noise; modules whose forward is not one of the above are refused rather than
+guessed (exclude them with --params). A subclass of nn.Linear or nn.Embedding with a forward of its own is
+taken only where its output is checked equal to ours on a small input: Gemma 3's embedding
+(`Gemma3TextScaledWordEmbedding`, rows times √hidden, the scale in the table's dtype) is, with its scale
+applied; anything else is refused (a member forward that dropped the scale would generate from the wrong
+activations without an error).
 """
 
 from __future__ import annotations
@@ -202,21 +207,58 @@ def member_weights(engine, iteration: int, members: Sequence[int], timing: dict,
 # member-aware forwards
 
 
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x), computed in fp32 (returned fp32)."""
+    h = x.to(torch.float32)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def _rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm's arithmetic without the weight: x / rms(x) in fp32, cast back."""
-    h = x.to(torch.float32)
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return _rms(x, eps).to(x.dtype)
 
 
-def _norm_eps(mod: nn.Module) -> float | None:
-    """eps of a Llama-style RMSNorm (forward = weight * normalised x), verified on a random input."""
+def _norm_kind(mod: nn.Module) -> tuple[float, str] | None:
+    """(eps, "llama" | "gemma") of an RMSNorm with a 1-D weight and no other parameter, recognised by its output
+    on a random input: Llama's forward = w · (x / rms(x)).to(x's dtype), Gemma's = ((x / rms(x)) · (1 + w)),
+    in fp32, cast to x's dtype (Gemma stores w, 1 + w acts: docs/models.md). None for anything else."""
     eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
     w = getattr(mod, "weight", None)
-    if not type(mod).__name__.endswith("RMSNorm") or not isinstance(eps, float) or w is None or w.dim() != 1:
+    if (not type(mod).__name__.endswith("RMSNorm") or not isinstance(eps, float) or w is None or w.dim() != 1
+            or set(dict(mod.named_parameters(recurse=False))) != {"weight"}):
         return None
     x = torch.randn(2, 3, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w)
     with torch.no_grad():
-        return eps if torch.equal(mod(x), w * _rms_norm(x, eps)) else None
+        y = mod(x)
+        if torch.equal(y, w * _rms_norm(x, eps)):
+            return eps, "llama"
+        if torch.equal(y, (_rms(x, eps) * (1.0 + w.float())).to(x.dtype)):
+            return eps, "gemma"
+    return None
+
+
+def _embedding_scale(mod: nn.Embedding) -> torch.Tensor | None | bool:
+    """None for nn.Embedding itself; for a subclass, the scale its forward multiplies the rows by (Gemma 3's
+    `embed_scale`, in the table's dtype, as its forward casts it) where its output on a few ids is checked to
+    be exactly that; False where it computes anything else."""
+    if type(mod) is nn.Embedding:
+        return None
+    w = mod.weight
+    ids = torch.arange(min(8, w.shape[0]), device=w.device).unsqueeze(0)
+    scale = getattr(mod, "embed_scale", None)
+    scale = torch.as_tensor(1.0 if scale is None else scale).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        return scale if torch.equal(mod(ids), F.embedding(ids, w, mod.padding_idx) * scale) else False
+
+
+def _linear_is_plain(mod: nn.Linear) -> bool:
+    """nn.Linear itself, or a subclass whose output on a random input is exactly F.linear's."""
+    if type(mod) is nn.Linear:
+        return True
+    w = mod.weight
+    x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w)
+    with torch.no_grad():
+        return torch.equal(mod(x), F.linear(x, w, mod.bias))
 
 
 class Members:
@@ -252,6 +294,9 @@ def _member_forward(name: str, mod: nn.Module, members: Members):
                                  "population batching needs batch-first modules (use --population-batch 0)")
         return x.reshape(members.count, -1, x.shape[-1])
 
+    if isinstance(mod, nn.Linear) and not _linear_is_plain(mod):
+        raise DeltalensError(f"population batching: {name} ({type(mod).__name__}) is a Linear with a forward of "
+                             f"its own; exclude it with --params '*,!{name}.*' or use --population-batch 0")
     if isinstance(mod, nn.Linear):
         def linear(x):
             w_m, b_m, xv = members.get(w), members.get(bias), split(x)
@@ -281,25 +326,39 @@ def _member_forward(name: str, mod: nn.Module, members: Members):
         if mod.max_norm is not None:
             raise DeltalensError(f"{name}: population batching does not support Embedding(max_norm=...); "
                                  "use --population-batch 0")
+        scale = _embedding_scale(mod)  # Gemma 3: rows x √hidden (its forward's own cast and product)
+        if scale is False:
+            raise DeltalensError(f"population batching: {name} ({type(mod).__name__}) is an Embedding with a "
+                                 f"forward of its own; exclude it with --params '*,!{name}.*' or use "
+                                 "--population-batch 0")
 
         def embedding(ids):
             w_m, iv = members.get(w), ids.reshape(members.count, -1)
             rows = torch.arange(members.count, device=ids.device).unsqueeze(1)
             if isinstance(w_m, torch.Tensor):  # full rank: gather from the stacked tables
-                return w_m[rows, iv].reshape(*ids.shape, w.shape[1])
-            a, b = w_m  # low rank: W[t] + (±σ/√r A_i[t]) B_iᵀ
-            y = F.embedding(ids, w, mod.padding_idx)  # fresh: the low-rank rows are accumulated into it
-            y.view(members.count, -1, w.shape[1]).baddbmm_(a[rows, iv], b.transpose(1, 2))
-            return y
+                y = w_m[rows, iv].reshape(*ids.shape, w.shape[1])
+            else:
+                a, b = w_m  # low rank: W[t] + (±σ/√r A_i[t]) B_iᵀ
+                y = F.embedding(ids, w, mod.padding_idx)  # fresh: the low-rank rows are accumulated into it
+                y.view(members.count, -1, w.shape[1]).baddbmm_(a[rows, iv], b.transpose(1, 2))
+            return y if scale is None else y * scale
         return embedding
 
-    eps = _norm_eps(mod)
-    if eps is not None and set(dict(mod.named_parameters(recurse=False))) == {"weight"}:
+    kind = _norm_kind(mod)
+    if kind is not None and kind[1] == "llama":
+        eps = kind[0]
+
         def rms_norm(x):  # a compute copy's norm weights stay fp32: the product is rounded once, to x's dtype
             return (members.get(w).unsqueeze(1) * split(_rms_norm(x, eps))).reshape(x.shape).to(x.dtype)
         return rms_norm
+    if kind is not None:
+        eps = kind[0]
 
-    raise DeltalensError(f"population batching supports nn.Linear, nn.Embedding and Llama-style RMSNorm; "
+        def gemma_rms_norm(x):  # x̂ · (1 + w) in fp32, cast once (Gemma3RMSNorm's arithmetic)
+            return (split(_rms(x, eps)) * (1.0 + members.get(w).float()).unsqueeze(1)).reshape(x.shape).to(x.dtype)
+        return gemma_rms_norm
+
+    raise DeltalensError(f"population batching supports nn.Linear, nn.Embedding and Llama- or Gemma-style RMSNorm; "
                          f"{name} ({type(mod).__name__}) has trained parameters: exclude them with "
                          f"--params '*,!{name}.*' or use --population-batch 0")
 

@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from support import run_cli, small_llama, weights
+from support import run_cli, small_gemma3, small_llama, weights
 
 from deltalens.errors import DeltalensError
 from deltalens.training.es.backends.local import LocalBackend
@@ -207,6 +207,56 @@ def test_batched_lowrank_logits_match_sequential(tied, bias):
     w = member_weights(eng, 4, [0, 1], new_timing())  # antithetic: A of member 1 = -A of member 0
     a, b = w[(eng.lowrank.items[0][2].data_ptr(), tuple(eng.lowrank.items[0][2].shape))]
     assert torch.equal(a[1], -a[0]) and torch.equal(b[1], b[0])
+
+
+@pytest.mark.parametrize("noise", ["full", "lowrank"])
+def test_gemma3_members_batched_match_sequential(noise):
+    """Gemma 3 (`small_gemma3`: random norm weights acting as 1 + w, the √hidden-scaled embedding, q/k norms, a
+    sliding-window layer, tied): full rank bit-identical to one member at a time, low rank within fp32
+    rounding. Dropping the embedding's scale or reading a norm as w would move the logits by O(1)."""
+    model, tok = small_gemma3(sliding=True)
+    kw = {"noise": "lowrank", "rank": 2} if noise == "lowrank" else {}
+    eng = _engine(model, tok, antithetic=True, sigma=0.05, **kw)
+    ids, members = _batch(eng.tok, length=20), [0, 1, 3]  # 20 tokens: past the sliding window of 16
+    seq = _member_logits_sequential(eng, 2, members, ids)
+    bat = _member_logits_batched(eng, 2, members, ids)
+    if noise == "full":
+        assert torch.equal(seq, bat)
+    else:
+        torch.testing.assert_close(bat, seq, rtol=1e-5, atol=1e-5)
+    assert (seq[0] - eng.model(ids).logits.detach()).abs().max() > 1e-3  # the perturbation is visible
+
+
+def test_norm_and_embedding_kinds_known_answers():
+    from torch import nn
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm, Gemma3TextScaledWordEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from deltalens.training.es import population as pop
+
+    llama, gemma = LlamaRMSNorm(6, eps=1e-5), Gemma3RMSNorm(6, eps=1e-6)
+    with torch.no_grad():
+        llama.weight.normal_()
+        gemma.weight.normal_()
+    assert pop._norm_kind(llama) == (1e-5, "llama") and pop._norm_kind(gemma) == (1e-6, "gemma")
+    assert pop._norm_kind(nn.LayerNorm(6)) is None
+    plain, scaled = nn.Embedding(10, 4), Gemma3TextScaledWordEmbedding(10, 4, 0, embed_scale=2.0)
+    assert pop._embedding_scale(plain) is None and float(pop._embedding_scale(scaled)) == 2.0
+
+    class Odd(nn.Embedding):  # a forward of its own that is not rows x a constant
+        def forward(self, ids):
+            return super().forward(ids) + 1
+
+    class OddLinear(nn.Linear):
+        def forward(self, x):
+            return super().forward(x).relu()
+
+    for mod, what in ((Odd(10, 4), "an Embedding with a forward of its own"),
+                      (OddLinear(4, 4), "a Linear with a forward of its own")):
+        seq = nn.Sequential(mod)
+        with pytest.raises(DeltalensError, match=what), \
+                member_modules(seq, Members({(mod.weight.data_ptr(), tuple(mod.weight.shape)): None}, 2)):
+            pass
 
 
 def test_unsupported_module_and_memory_errors(monkeypatch):
