@@ -83,11 +83,15 @@ def _settings(config, depth: int = 0):
 def run_settings(runs: list[dict], by_label: dict) -> list[str]:
     """Refuse runs of one group trained with other hyperparameters in different pieces (a preset changed
     between sittings): each run's recorded config.json (`study.runs[].config`, since 2026-12-06) against the
-    group's first run, fields in RUN_FREE aside. Returns notes on what could not be compared."""
+    group's first run that recorded one, fields in RUN_FREE aside (so a published first piece without
+    configs does not hide a difference between two later pieces). Returns notes on what could not be
+    compared."""
     notes = []
     for rs in by_group(runs).values():
-        ref = rs[0]
-        for r in rs[1:]:
+        ref = next((r for r in rs if isinstance(r.get("config"), dict)), rs[0])
+        for r in rs:
+            if r is ref:
+                continue
             a, b = ref.get("config"), r.get("config")
             if by_label[r["label"]] is by_label[ref["label"]]:
                 continue  # one piece: one study's plan

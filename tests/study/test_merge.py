@@ -105,6 +105,25 @@ def test_runs_trained_at_other_settings_are_refused(tmp_path):
     assert not (tmp_path / "m2").exists()
 
 
+def test_a_first_piece_without_configs_hides_no_difference_between_later_ones(tmp_path):
+    """Three sittings: the first published before configs were recorded, the second by a version without a
+    field (another deltalens version), the third with it. The later two are compared with each other: a field
+    recorded in one only is named in a note, a changed setting refused."""
+    doc = _published()
+    a = _write(tmp_path / "a", piece(doc, [0]))
+    b = _write(tmp_path / "b", _with_configs(piece(doc, [1])))
+    c = _with_configs(piece(doc, [2]), {"shared_prefix": True})
+    r = run_cli(["study", "merge", str(a), str(b), str(_write(tmp_path / "c", c)), "--out", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    notes = json.loads((tmp_path / "m" / "analysis.json").read_text())["study"]["merged"]["notes"]
+    assert any("es-s0 vs es-s1: hyperparameters not recorded" in n for n in notes), notes
+    assert any("es-s2 vs es-s1: fields recorded in one config only" in n and n.endswith("shared_prefix")
+               for n in notes), notes
+    d = _with_configs(piece(doc, [2]), {"alpha": 2e-3})
+    r = run_cli(["study", "merge", str(a), str(b), str(_write(tmp_path / "d", d)), "--out", str(tmp_path / "m2")])
+    assert r.exit_code == 2 and "es-s2" in r.output and "(alpha: 0.002 vs 0.001" in " ".join(r.output.split()), r.output
+
+
 def test_a_study_merged_from_its_methods_run_apart(tmp_path):
     """The published 3-seed tiny study (claims 1-10, 48 checks) as two sittings by method: the ES runs (with
     claims 6/7's extra runs) and the GRPO and ES->GRPO runs; its checks and verdicts come back exactly."""
