@@ -82,33 +82,35 @@ def _settings(config, depth: int = 0):
 
 def run_settings(runs: list[dict], by_label: dict) -> list[str]:
     """Refuse runs of one group trained with other hyperparameters in different pieces (a preset changed
-    between sittings): each run's recorded config.json (`study.runs[].config`, since 2026-12-06) against the
-    group's first run that recorded one, fields in RUN_FREE aside (so a published first piece without
-    configs does not hide a difference between two later pieces). Returns notes on what could not be
-    compared."""
+    between sittings): each run's recorded config.json (`study.runs[].config`, since 2026-12-06) against every
+    earlier recorded run of the group from another piece, fields in RUN_FREE aside, so neither a first piece
+    without configs nor one without a field hides a difference between two later pieces. Returns notes on
+    what could not be compared, each run named against the group's first run that recorded a config."""
     notes = []
     for rs in by_group(runs).values():
-        ref = next((r for r in rs if isinstance(r.get("config"), dict)), rs[0])
+        recorded = [r for r in rs if isinstance(r.get("config"), dict)]
+        ref = recorded[0] if recorded else rs[0]
         for r in rs:
-            if r is ref:
-                continue
-            a, b = ref.get("config"), r.get("config")
-            if by_label[r["label"]] is by_label[ref["label"]]:
+            if r is ref or by_label[r["label"]] is by_label[ref["label"]]:
                 continue  # one piece: one study's plan
-            if not isinstance(a, dict) or not isinstance(b, dict):
+            if r not in recorded or ref not in recorded:
                 notes.append(f"{r['label']} vs {ref['label']}: hyperparameters not recorded in "
-                             f"{by_label[(ref if not isinstance(a, dict) else r)['label']]['file']} (a study before "
+                             f"{by_label[(r if r not in recorded else ref)['label']]['file']} (a study before "
                              "2026-12-06): only the study settings were compared")
                 continue
-            sa, sb = _settings(a), _settings(b)
-            diff = sorted(k for k in set(sa) & set(sb) if sa[k] != sb[k])
-            if diff:
-                k = diff[0]
-                raise DeltalensError(f"{r['label']} ({by_label[r['label']]['file']}) trained with other settings "
-                                     f"than {ref['label']} ({k}: {sb[k]!r} vs {sa[k]!r}"
-                                     f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); a merged group "
-                                     "must be one method at one setting")
-            missing = sorted(set(sa) ^ set(sb))
+            sb = _settings(r["config"])
+            for q in recorded[:recorded.index(r)]:
+                if by_label[q["label"]] is by_label[r["label"]]:
+                    continue
+                sa = _settings(q["config"])
+                diff = sorted(k for k in set(sa) & set(sb) if sa[k] != sb[k])
+                if diff:
+                    k = diff[0]
+                    raise DeltalensError(f"{r['label']} ({by_label[r['label']]['file']}) trained with other "
+                                         f"settings than {q['label']} ({k}: {sb[k]!r} vs {sa[k]!r}"
+                                         f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); a merged "
+                                         "group must be one method at one setting")
+            missing = sorted(set(_settings(ref["config"])) ^ set(sb))
             if missing:
                 notes.append(f"{r['label']} vs {ref['label']}: fields recorded in one config only (another "
                              f"deltalens version), not compared: {', '.join(missing)}")

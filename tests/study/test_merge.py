@@ -122,6 +122,14 @@ def test_a_first_piece_without_configs_hides_no_difference_between_later_ones(tm
     d = _with_configs(piece(doc, [2]), {"alpha": 2e-3})
     r = run_cli(["study", "merge", str(a), str(b), str(_write(tmp_path / "d", d)), "--out", str(tmp_path / "m2")])
     assert r.exit_code == 2 and "es-s2" in r.output and "(alpha: 0.002 vs 0.001" in " ".join(r.output.split()), r.output
+    # the reference lacks a field that two later pieces record differently: compared between them, refused
+    a = _write(tmp_path / "a2", _with_configs(piece(doc, [0])))
+    b = _write(tmp_path / "b2", _with_configs(piece(doc, [1]), {"shared_prefix": True}))
+    c = _write(tmp_path / "c2", _with_configs(piece(doc, [2]), {"shared_prefix": False}))
+    r = run_cli(["study", "merge", str(a), str(b), str(c), "--out", str(tmp_path / "m3")])
+    assert r.exit_code == 2 and "es-s2" in r.output and "than es-s1 (shared_prefix: False vs True" \
+        in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "m3").exists()
 
 
 def test_a_study_merged_from_its_methods_run_apart(tmp_path):

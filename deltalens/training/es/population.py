@@ -246,19 +246,28 @@ def _embedding_scale(mod: nn.Embedding) -> torch.Tensor | None | bool:
     w = mod.weight
     ids = torch.arange(min(8, w.shape[0]), device=w.device).unsqueeze(0)
     scale = getattr(mod, "embed_scale", None)
-    scale = torch.as_tensor(1.0 if scale is None else scale).to(device=w.device, dtype=w.dtype)
-    with torch.no_grad():
-        return scale if torch.equal(mod(ids), F.embedding(ids, w, mod.padding_idx) * scale) else False
+    try:
+        scale = torch.as_tensor(1.0 if scale is None else scale).to(device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            return scale if torch.equal(mod(ids), F.embedding(ids, w, mod.padding_idx) * scale) else False
+    except Exception:  # a table that is not one (packed, quantized): not ours to batch
+        return False
 
 
 def _linear_is_plain(mod: nn.Linear) -> bool:
-    """nn.Linear itself, or a subclass whose output on a random input is exactly F.linear's."""
+    """nn.Linear itself, or a subclass whose output on a random input is exactly what the member forward
+    computes (x·Wᵀ, then the bias: fused where it has x's dtype, added after where a compute copy keeps it fp32)."""
     if type(mod) is nn.Linear:
         return True
-    w = mod.weight
-    x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w)
-    with torch.no_grad():
-        return torch.equal(mod(x), F.linear(x, w, mod.bias))
+    w, bias = mod.weight, mod.bias
+    try:
+        x = torch.randn(2, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w)
+        with torch.no_grad():
+            fused = bias is None or bias.dtype == x.dtype
+            want = F.linear(x, w, bias) if fused else F.linear(x, w).add_(bias)
+            return torch.equal(mod(x), want)
+    except Exception:  # packed or quantized weights, another signature: not ours to batch
+        return False
 
 
 class Members:

@@ -330,14 +330,18 @@ def test_bf16_copy_keeps_linear_biases_fp32_and_auto_ignores_them(monkeypatch):
         assert torch.isfinite(cm(torch.tensor([[1, 4, 7, 2]])).logits.float()).all()
 
 
+@pytest.mark.parametrize("arch", ["llama-biased", "gemma3"])
 @pytest.mark.parametrize("noise", ["full", "lowrank"])
-def test_bf16_members_of_a_biased_model_batched_and_one_by_one(noise):
+def test_bf16_members_of_a_biased_model_batched_and_one_by_one(noise, arch):
     """With fp32 biases in the bf16 copy, members one by one (written into the copy) and population-batched
     members give the same logits: bit for bit with full-rank noise, within bf16 rounding with low rank
-    (the batched path never forms W + σE)."""
+    (the batched path never forms W + σE). Also Gemma 3 (fp32 norms acting as 1 + w, the embedding's √hidden
+    scale in bf16, a sliding-window layer)."""
+    from support import small_gemma3
+
     from deltalens.training.es.population import Members, member_modules, member_weights
 
-    model, tok = _biased(0.5)
+    model, tok = _biased(0.5) if arch == "llama-biased" else small_gemma3(sliding=True)
     eng = _engine(model, tok, compute_dtype="bf16", noise=noise, sigma=0.05, antithetic=True, population_batch=3,
                   **({"rank": 2} if noise == "lowrank" else {}))
     ids = torch.randint(3, len(tok), (2, 6), generator=torch.Generator().manual_seed(1))
@@ -353,6 +357,9 @@ def test_bf16_members_of_a_biased_model_batched_and_one_by_one(noise):
         bat = runner(ids.repeat(3, 1)).logits.reshape(3, *ids.shape, -1)
     if noise == "full":
         assert torch.equal(torch.stack(seq), bat)
-    else:
+    elif arch == "llama-biased":
         torch.testing.assert_close(bat.float(), torch.stack(seq).float(), rtol=0.05, atol=0.05)
+    else:  # Gemma's norms (1 + w up to ~3 here) amplify bf16 rounding: measured mean 0.0047, max 0.066
+        gap, spread = (bat.float() - torch.stack(seq).float()).abs(), (seq[0] - seq[1]).float().abs()
+        assert gap.mean() < 0.05 * spread.mean() and gap.max() < 0.15, (gap.mean(), gap.max(), spread.mean())
     assert not torch.equal(seq[0], seq[1])
