@@ -1,7 +1,7 @@
 """The evaluation `deltalens eval` runs, through every engine we have, side by side in one process.
 
     python benchmarks/bench_eval_engines.py [--model smollm2] [--limit 50] [--samples 32] [--temperature 0.6]
-        [--engines hf_fp32_copies,hf_fp32,hf_bf16_copies,hf_bf16_products,hf_bf16,vllm_fp32,vllm_bf16] [--out F]
+        [--engines hf_fp32_copies,hf_fp32,hf_bf16_copies,hf_bf16,vllm_fp32,vllm_bf16] [--out F]
 
 One workload: the model's default task, the first --limit test problems x --samples samples at
 --temperature, the task's max_new_tokens and stop strings, seed 0, scored as `deltalens.evaluation.evaluate`
@@ -11,9 +11,6 @@ and HF measured after one is not a stable figure, benchmarks/README.md):
   KV cache (the HF backend as it was before 2026-12-06; fp32 is "today's HF fp32" of issue #32);
 - hf_fp32, hf_bf16: the HF backend as `deltalens eval` runs it now (rows read their prompt's cache once,
   `deltalens.generation.shared_prefix`);
-- hf_bf16_products: hf_bf16 with the rows' own part of that attention as fp32 products over keys and values
-  cast to fp32 at every step (`shared_prefix._own_part` without torch's CPU flash kernel: the code before
-  2026-12-07);
 - vllm_fp32, vllm_bf16: `VLLMBackend.from_model` on the same weights (only where vllm imports: run this in
   the vLLM venv); engine start is timed apart from generation.
 Each engine runs after one warm-up call on 2 problems. Tokens are the completions' token counts (the same
@@ -33,35 +30,25 @@ import torch
 from bench_generation import emit
 
 from deltalens.evaluation import evaluate
-from deltalens.generation import HFBackend, shared_prefix
+from deltalens.generation import HFBackend
 from deltalens.generation.dtype import machine
 from deltalens.io.models import load_model
 from deltalens.presets import default_task
 from deltalens.tasks import get_task
 
-ENGINES = ("hf_fp32_copies", "hf_fp32", "hf_bf16_copies", "hf_bf16_products", "hf_bf16", "vllm_fp32", "vllm_bf16")
+ENGINES = ("hf_fp32_copies", "hf_fp32", "hf_bf16_copies", "hf_bf16", "vllm_fp32", "vllm_bf16")
 
 
 def backend(engine: str, model, tok):
     kind, dtype, *rest = engine.split("_")
     if kind == "hf":
-        return HFBackend(model, tok, compute_dtype=dtype, share_prompts=rest != ["copies"])
+        return HFBackend(model, tok, compute_dtype=dtype, share_prompts=not rest)
     from deltalens.generation.vllm import VLLMBackend
 
     return VLLMBackend.from_model(model, tok, dtype=dtype)
 
 
 def run(engine: str, model, tok, task, args) -> dict:
-    flash = shared_prefix._FLASH_CPU
-    if engine.endswith("_products"):  # the own part as fp32 products (before 2026-12-07)
-        shared_prefix._FLASH_CPU = None
-    try:
-        return _run(engine, model, tok, task, args)
-    finally:
-        shared_prefix._FLASH_CPU = flash
-
-
-def _run(engine: str, model, tok, task, args) -> dict:
     t0 = time.perf_counter()
     be = backend(engine, model, tok)
     start_s = time.perf_counter() - t0

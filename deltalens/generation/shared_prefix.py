@@ -16,13 +16,10 @@ per row) computes, for row r of prompt g(r), with s = scaling:
     output:  (o1·e^(m1-m) + o2·e^(m2-m)) / (l1·e^(m1-m) + l2·e^(m2-m)),  m = max(m1, m2)
 
 which is softmax attention over [prompt, own tokens] split in two (the log-sum-exp merge flash attention
-uses between key blocks). The prompt part and the merge are fp32; the suffix part is torch's CPU flash
-kernel (`_own_part`: it reads the rows' bf16 keys and values as they are and accumulates in fp32, returning
-o2 / l2 rounded once to the query's dtype and the log-sum-exp m2 + log l2 in fp32), fp32 products on other
-devices. Until 2026-12-07 the suffix was fp32 products too, after casting every row's own keys and values to
-fp32 at every step and layer (~6% of a bf16 evaluation's op time, benchmarks/README.md). The summation order
-differs from SDPA's, so logits agree to rounding, not bit for bit (fp32 completions identical, bf16 no
-further from fp32 attention than SDPA's: tests/generation/test_shared_prefix.py).
+uses between key blocks). The arithmetic is fp32 throughout, as torch's CPU flash kernel does for bf16
+inputs, and the output is cast to the query's dtype; the summation order differs from SDPA's, so
+logits agree to rounding, not bit for bit (fp32 completions identical, bf16 no further from fp32 attention than
+SDPA's: tests/generation/test_shared_prefix.py).
 Queries of one prompt's rows are packed into one matrix per (prompt, kv head) (rows padded to the largest
 group, GQA's query heads side by side), so the prompt keys are read once per step for all its rows.
 
@@ -136,35 +133,19 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     rows, heads, _, d = query.shape
     kvh = key.shape[1]
     scale = scaling if scaling is not None else d ** -0.5
-    q = query.reshape(rows, kvh, heads // kvh, d)  # GQA: query heads of kv head i are i*rep .. i*rep+rep-1
-    own = None if attention_mask is None else attention_mask[:, :, :, prefix.length:]  # left padding: the prompt's
-    o2, lse2 = _own_part(q, key, value, own, scale)
-    o1, m1, l1 = _prefix_part(prefix, q.float(), scale)
-    m = torch.maximum(m1, lse2)
-    a1, a2 = (m1 - m).exp_(), (lse2 - m).exp_()
-    out = o1.mul_(a1).add_(o2.mul_(a2)).div_(l1.mul_(a1).add_(a2))  # [rows, kvh, rep, D]
+    q = query.float().view(rows, kvh, heads // kvh, d)  # GQA: query heads of kv head i are i*rep .. i*rep+rep-1
+    o1, m1, l1 = _prefix_part(prefix, q, scale)
+    s2 = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale)  # [rows, kvh, rep, S]
+    if attention_mask is not None:  # the rows' own part of the mask (left padding lies in the prompt)
+        own = attention_mask[:, :, :, prefix.length:]
+        s2 = s2.masked_fill_(~own, float("-inf")) if own.dtype == torch.bool else s2.add_(own.float())
+    m2 = s2.amax(-1, keepdim=True)
+    m = torch.maximum(m1, m2)
+    e2 = s2.sub_(m).exp_()
+    a1 = (m1 - m).exp_()
+    out = o1.mul_(a1).add_(torch.matmul(e2, value.float()))
+    out = out.div_(l1.mul_(a1).add_(e2.sum(-1, keepdim=True)))  # [rows, kvh, rep, D]
     return out.view(rows, 1, heads, d).to(query.dtype), None
-
-
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _own_part(q, key, value, own, scale: float):
-    """(o, lse) of the rows' own keys for queries q [rows, kv heads, n_rep, D] (the query's dtype): o the
-    normalised attention output [rows, kvh, n_rep, D] and lse its log-sum-exp [rows, kvh, n_rep, 1], both fp32.
-    On the CPU, torch's flash kernel reads the keys and values in their own dtype and accumulates in fp32
-    (its output is rounded to the query's dtype once); elsewhere fp32 products. `own`: the own part of the
-    mask [rows, 1, 1, S] (bool or additive), None for none. A row always has its own current token."""
-    if own is not None and own.dtype == torch.bool:
-        own = torch.zeros(own.shape, dtype=torch.float32, device=own.device).masked_fill_(~own, float("-inf"))
-    if _FLASH_CPU is not None and q.device.type == "cpu":
-        o, lse = _FLASH_CPU(q, key, value, 0.0, False, attn_mask=own, scale=scale)
-        return o.float(), lse.unsqueeze(-1)
-    s = torch.matmul(q.float(), key.float().transpose(-1, -2)).mul_(scale)  # [rows, kvh, rep, S]
-    if own is not None:
-        s = s.add_(own.float())
-    lse = torch.logsumexp(s, -1, keepdim=True)
-    return torch.matmul(s.sub_(lse).exp_(), value.float()), lse
 
 
 def _whole_rows(prefix: SharedPrefix, key, value):
