@@ -70,14 +70,22 @@ RUN_FREE = ("seed", "eval_every", "eval_limit", "checkpoint_every", "save_every"
 RUN_PATHS = ("dir", "init_from", "out")
 
 
-def _settings(config, depth: int = 0):
-    """A run's config without RUN_FREE and RUN_PATHS fields, at every depth (a chain's `stages`)."""
-    if isinstance(config, list):
-        return [_settings(v, depth + 1) for v in config]
-    if not isinstance(config, dict):
-        return config
+def _settings(config, depth: int = 0, path: str = "") -> dict:
+    """A run's config without RUN_FREE and RUN_PATHS fields, at every depth, flattened to {path: value}: a
+    chain's stages as `stages.0.config.sigma`, so that a field one version records inside a stage and another
+    does not is a field recorded in one config only, as at the top level, not a different `stages` list.
+    Lists of plain values (`params`) stay one value."""
     drop = {*RUN_FREE, *RUN_PATHS, *(("model",) if depth else ())}
-    return {k: _settings(v, depth + 1) for k, v in config.items() if k not in drop}
+    items = (config.items() if isinstance(config, dict) else enumerate(config)
+             if isinstance(config, list) and any(isinstance(v, (dict, list)) for v in config) else None)
+    if items is None:
+        return {path: config}
+    out = {}
+    for k, v in items:
+        if isinstance(config, dict) and k in drop:
+            continue
+        out.update(_settings(v, depth + 1, f"{path}.{k}" if path else str(k)))
+    return out
 
 
 def run_settings(runs: list[dict], by_label: dict) -> list[str]:

@@ -130,6 +130,19 @@ def test_a_first_piece_without_configs_hides_no_difference_between_later_ones(tm
     assert r.exit_code == 2 and "es-s2" in r.output and "than es-s1 (shared_prefix: False vs True" \
         in " ".join(r.output.split()), r.output
     assert not (tmp_path / "m3").exists()
+    # inside a chain's stages alike: a field one stage config lacks is a note, a changed one a refusal
+    for name, change, ok in (("e", {"shared_prefix": True}, True), ("f", {"sigma": 2e-3}, False)):
+        e = _with_configs(piece(doc, [2]))
+        for run in e["study"]["runs"]:
+            run["config"]["stages"][0]["config"].update(change)
+        r = run_cli(["study", "merge", str(tmp_path / "a2"), str(b), str(_write(tmp_path / name, e)),
+                     "--out", str(tmp_path / f"m-{name}")])
+        if ok:
+            notes = json.loads((tmp_path / "m-e" / "analysis.json").read_text())["study"]["merged"]["notes"]
+            assert any(n.startswith("es-s2 vs es-s0: fields recorded in one config only")
+                       and "stages.0.config.shared_prefix" in n for n in notes), notes
+        else:
+            assert r.exit_code == 2 and "(stages.0.config.sigma: 0.002 vs 0.001" in " ".join(r.output.split()), r.output
 
 
 def test_a_study_merged_from_its_methods_run_apart(tmp_path):
