@@ -61,9 +61,9 @@ def bench(model_spec: str, population: int | None, prompts: int | None, iteratio
         options["max_new_tokens"] = max_new_tokens
     if shared_prefix is not None:
         options["shared_prefix"] = shared_prefix
-    from deltalens.presets import MODELS
+    from deltalens.presets import default_task
 
-    options["task"] = task or MODELS.get(model_spec, {}).get("task", "arith")  # as `deltalens train es` resolves it
+    options["task"] = task or default_task(model_spec)  # as `deltalens train es` resolves it
     cfg = ESConfig.preset(preset or "paper", model=model_spec, iterations=iterations, dtype=dtype,
                           compute_dtype=compute_dtype, eval_every=0, **options)
     if shared_prefix is not None and cfg.population_batch <= 1:

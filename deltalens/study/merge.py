@@ -75,15 +75,15 @@ def _settings(config, depth: int = 0, path: str = "") -> dict:
     chain's stages as `stages.0.config.sigma`, so that a field one version records inside a stage and another
     does not is a field recorded in one config only, as at the top level, not a different `stages` list.
     Lists of plain values (`params`) stay one value."""
-    drop = {*RUN_FREE, *RUN_PATHS, *(("model",) if depth else ())}
-    items = (config.items() if isinstance(config, dict) else enumerate(config)
-             if isinstance(config, list) and any(isinstance(v, (dict, list)) for v in config) else None)
-    if items is None:
+    if isinstance(config, dict):
+        drop = {*RUN_FREE, *RUN_PATHS, *(("model",) if depth else ())}
+        items = [(k, v) for k, v in config.items() if k not in drop]
+    elif isinstance(config, list) and any(isinstance(v, (dict, list)) for v in config):
+        items = list(enumerate(config))
+    else:
         return {path: config}
     out = {}
     for k, v in items:
-        if isinstance(config, dict) and k in drop:
-            continue
         out.update(_settings(v, depth + 1, f"{path}.{k}" if path else str(k)))
     return out
 
@@ -96,21 +96,22 @@ def run_settings(runs: list[dict], by_label: dict) -> list[str]:
     what could not be compared, each run named against the group's first run that recorded a config."""
     notes = []
     for rs in by_group(runs).values():
-        recorded = [r for r in rs if isinstance(r.get("config"), dict)]
-        ref = recorded[0] if recorded else rs[0]
-        for r in rs:
+        # each recorded run's settings, flattened once, in the group's order (labels are unique)
+        flat = {r["label"]: _settings(r["config"]) for r in rs if isinstance(r.get("config"), dict)}
+        ref = next((r for r in rs if r["label"] in flat), rs[0])
+        for i, r in enumerate(rs):
             if r is ref or by_label[r["label"]] is by_label[ref["label"]]:
                 continue  # one piece: one study's plan
-            if r not in recorded or ref not in recorded:
+            if r["label"] not in flat or ref["label"] not in flat:
                 notes.append(f"{r['label']} vs {ref['label']}: hyperparameters not recorded in "
-                             f"{by_label[(r if r not in recorded else ref)['label']]['file']} (a study before "
+                             f"{by_label[(r if r['label'] not in flat else ref)['label']]['file']} (a study before "
                              "2026-12-06): only the study settings were compared")
                 continue
-            sb = _settings(r["config"])
-            for q in recorded[:recorded.index(r)]:
-                if by_label[q["label"]] is by_label[r["label"]]:
+            sb = flat[r["label"]]
+            for q in rs[:i]:
+                if q["label"] not in flat or by_label[q["label"]] is by_label[r["label"]]:
                     continue
-                sa = _settings(q["config"])
+                sa = flat[q["label"]]
                 diff = sorted(k for k in set(sa) & set(sb) if sa[k] != sb[k])
                 if diff:
                     k = diff[0]
@@ -118,7 +119,7 @@ def run_settings(runs: list[dict], by_label: dict) -> list[str]:
                                          f"settings than {q['label']} ({k}: {sb[k]!r} vs {sa[k]!r}"
                                          f"{f' and {len(diff) - 1} more' if len(diff) > 1 else ''}); a merged "
                                          "group must be one method at one setting")
-            missing = sorted(set(_settings(ref["config"])) ^ set(sb))
+            missing = sorted(set(flat[ref["label"]]) ^ set(sb))
             if missing:
                 notes.append(f"{r['label']} vs {ref['label']}: fields recorded in one config only (another "
                              f"deltalens version), not compared: {', '.join(missing)}")

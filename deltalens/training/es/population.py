@@ -354,18 +354,16 @@ def _member_forward(name: str, mod: nn.Module, members: Members):
         return embedding
 
     kind = _norm_kind(mod)
-    if kind is not None and kind[1] == "llama":
-        eps = kind[0]
+    if kind is not None:
+        eps, style = kind
 
         def rms_norm(x):  # a compute copy's norm weights stay fp32: the product is rounded once, to x's dtype
-            return (members.get(w).unsqueeze(1) * split(_rms_norm(x, eps))).reshape(x.shape).to(x.dtype)
+            if style == "llama":  # w · x̂, x̂ rounded to x's dtype first
+                y = members.get(w).unsqueeze(1) * split(_rms_norm(x, eps))
+            else:  # gemma: x̂ · (1 + w), all in fp32
+                y = split(_rms(x, eps)) * (1.0 + members.get(w).float()).unsqueeze(1)
+            return y.reshape(x.shape).to(x.dtype)
         return rms_norm
-    if kind is not None:
-        eps = kind[0]
-
-        def gemma_rms_norm(x):  # x̂ · (1 + w) in fp32, cast once (Gemma3RMSNorm's arithmetic)
-            return (split(_rms(x, eps)) * (1.0 + members.get(w).float()).unsqueeze(1)).reshape(x.shape).to(x.dtype)
-        return gemma_rms_norm
 
     raise DeltalensError(f"population batching supports nn.Linear, nn.Embedding and Llama- or Gemma-style RMSNorm; "
                          f"{name} ({type(mod).__name__}) has trained parameters: exclude them with "
