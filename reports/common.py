@@ -139,6 +139,16 @@ def per_seed_text(check: dict) -> str:
     return ", ".join(vals) if len(vals) > 1 else ""
 
 
+def check_label(check: dict) -> str:
+    """A verdict check's name as a table shows it: the "grpo minus es" problems-lost share also states ES's
+    own count per run (`lost_es`), so both methods' losses are read directly, not from a share difference."""
+    name = str(check.get("check"))
+    lost = [int(v) for v in as_list(check.get("lost_es")) if num(v) is not None]
+    if not lost:
+        return name
+    return f"{name}; es lost {', '.join(map(str, lost))} problem{'s' if lost != [1] else ''} (per run)"
+
+
 def fmt_int(x: Any) -> str:
     x = num(x)
     return "—" if x is None else f"{int(x):,}"

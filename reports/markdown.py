@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import PER_SEED_NOTE, as_dict, as_list, fmt_ci, fmt_g, num, per_seed_text
+from .common import PER_SEED_NOTE, as_dict, as_list, check_label, fmt_ci, fmt_g, num, per_seed_text
 
 
 def _ci(lo: Any, hi: Any) -> str:
@@ -95,7 +95,7 @@ def claims_table(study: dict) -> list[str]:
         for c in as_list(cl.get("checks")):
             c = as_dict(c)
             cells = holm_cells(c) if holm else []
-            rows.append(["", c.get("check"), fmt_g(c.get("estimate")), per_seed_text(c),
+            rows.append(["", check_label(c), fmt_g(c.get("estimate")), per_seed_text(c),
                          _ci(c.get("ci_low"), c.get("ci_high")), *cells[:3],
                          f"{c.get('direction')} vs {fmt_g(num(c.get('null')) or 0.0)}", *cells[3:], c.get("verdict")])
     if holm:

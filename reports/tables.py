@@ -8,6 +8,7 @@ from .common import (
     Context,
     as_dict,
     as_list,
+    check_label,
     esc,
     fmt_ci,
     fmt_g,
@@ -218,7 +219,7 @@ def claims_table(ctx: Context) -> str | None:
             cv = str(c.get("verdict"))
             null = num(c.get("null")) or 0.0
             cells = holm_cells(c, missing="—") if holm else []
-            rows.append(f'<tr><td>{esc(c.get("check"))}</td><td class="num">{esc(fmt_g(c.get("estimate")))}</td>'
+            rows.append(f'<tr><td>{esc(check_label(c))}</td><td class="num">{esc(fmt_g(c.get("estimate")))}</td>'
                         f'<td class="num">{esc(per_seed_text(c))}</td>'
                         f'<td class="num">{esc(fmt_ci(c.get("ci_low"), c.get("ci_high")))}</td>'
                         + "".join(f'<td class="num">{esc(x)}</td>' for x in cells[:3]) +

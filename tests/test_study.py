@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 import pytest
-from deltalens.reports.common import fmt_g
+from deltalens.reports.common import check_label, fmt_g
 from support import run_cli, tiny_spec
 
 from deltalens.errors import DeltalensError
@@ -76,6 +76,10 @@ def test_study_resumes_after_a_kill_and_redoes_nothing(tmp_path, monkeypatch):
     assert len(ch["per_seed"]) == 2 and sum(ch["per_seed"]) / 2 == pytest.approx(ch["estimate"])
     assert f"| {ch['check']} | {fmt_g(ch['estimate'])} | {fmt_g(ch['per_seed'][0])}, " in md
     assert "<th>Per training seed</th>" in (out / "report.html").read_text()
+    # the problems-lost share row states ES's own count per run in both tables
+    share = [c for c in claims[1]["checks"] if "lost_es" in c]
+    assert share and all(f"es lost {', '.join(map(str, c['lost_es']))} problem" in check_label(c) for c in share)
+    assert all(check_label(c) in md and check_label(c) in (out / "report.html").read_text() for c in share)
     _one_base(doc)
     _verdict_from_the_document(json.loads((out / "analysis.json").read_text()), cfg)
     # and every check and verdict, re-derived from analysis.json alone by `deltalens study verify`

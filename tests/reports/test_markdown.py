@@ -46,3 +46,15 @@ def test_study_markdown_known_table():
 def test_study_markdown_without_effects():
     md = study_markdown({"study": {"claims": []}})
     assert "Pass@K and Maj@K" not in md and md.endswith("|---|---|---|---|---|---|---|\n")
+
+
+def test_problems_lost_share_row_states_es_own_count():
+    # the share row carries ES's own count per run (`lost_es`); the table states it beside the check's name
+    share = {"check": "problems lost, grpo minus es (share of the 164 the base solves)", "estimate": 0.07,
+             "ci_low": -0.05, "ci_high": 0.19, "direction": "+", "null": 0.0, "verdict": "unclear",
+             "per_seed": [0.05, 0.13, 0.03], "lost_es": [3, 0, 1]}
+    one = dict(share, lost_es=[1], per_seed=[0.05])
+    for row, text in ((share, "; es lost 3, 0, 1 problems (per run) |"), (one, "; es lost 1 problem (per run) |")):
+        study = {"claims": [{"id": 1, "title": "t", "verdict": "unclear", "checks": [row]}]}
+        assert any(line.startswith("|  | problems lost, grpo minus es (share of the 164 the base solves)" + text)
+                   for line in study_markdown({"study": study}).splitlines())
