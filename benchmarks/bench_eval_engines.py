@@ -1,16 +1,19 @@
 """The evaluation `deltalens eval` runs, through every engine we have, side by side in one process.
 
     python benchmarks/bench_eval_engines.py [--model smollm2] [--limit 50] [--samples 32] [--temperature 0.6]
-        [--engines hf_fp32_copies,hf_fp32,hf_bf16_copies,hf_bf16,vllm_fp32,vllm_bf16] [--out F]
+        [--engines hf_fp32_copies,hf_fp32,hf_bf16_copies,hf_bf16_generate,hf_bf16,vllm_fp32,vllm_bf16] [--out F]
 
 One workload: the model's default task, the first --limit test problems x --samples samples at
 --temperature, the task's max_new_tokens and stop strings, seed 0, scored as `deltalens.evaluation.evaluate`
 scores it. Engines, in this order (the HF ones first: a vLLM engine binds the process to its cores,
 and HF measured after one is not a stable figure, benchmarks/README.md):
 - hf_fp32_copies, hf_bf16_copies: `HFBackend(share_prompts=False)`, each row holding a copy of its prompt's
-  KV cache (the HF backend as it was before 2026-12-06; fp32 is "today's HF fp32" of issue #32);
+  KV cache, each segment decoded by transformers' `generate` (the HF backend as it was before 2026-12-06;
+  fp32 is "today's HF fp32" of issue #32);
+- hf_bf16_generate: the prompt's cache shared, each segment still through `generate` (the HF backend from
+  2026-12-06 to 2026-12-07, before `deltalens.generation.decode`);
 - hf_fp32, hf_bf16: the HF backend as `deltalens eval` runs it now (rows read their prompt's cache once,
-  `deltalens.generation.shared_prefix`);
+  `deltalens.generation.shared_prefix`; our decoding loop, `deltalens.generation.decode`);
 - vllm_fp32, vllm_bf16: `VLLMBackend.from_model` on the same weights (only where vllm imports: run this in
   the vLLM venv); engine start is timed apart from generation.
 Each engine runs after one warm-up call on 2 problems. Tokens are the completions' token counts (the same
@@ -21,6 +24,7 @@ row keeps Pass@K and the per-problem correct counts, so the engines' agreement c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -31,24 +35,45 @@ from bench_generation import emit
 
 from deltalens.evaluation import evaluate
 from deltalens.generation import HFBackend
+from deltalens.generation import decode as decode_mod
 from deltalens.generation.dtype import machine
 from deltalens.io.models import load_model
 from deltalens.presets import default_task
 from deltalens.tasks import get_task
 
-ENGINES = ("hf_fp32_copies", "hf_fp32", "hf_bf16_copies", "hf_bf16", "vllm_fp32", "vllm_bf16")
+ENGINES = ("hf_fp32_copies", "hf_fp32", "hf_bf16_copies", "hf_bf16_generate", "hf_bf16", "vllm_fp32", "vllm_bf16")
 
 
 def backend(engine: str, model, tok):
     kind, dtype, *rest = engine.split("_")
     if kind == "hf":
-        return HFBackend(model, tok, compute_dtype=dtype, share_prompts=not rest)
+        return HFBackend(model, tok, compute_dtype=dtype, share_prompts=rest != ["copies"])
     from deltalens.generation.vllm import VLLMBackend
 
     return VLLMBackend.from_model(model, tok, dtype=dtype)
 
 
+@contextlib.contextmanager
+def decoded_by(engine: str):
+    """Within the block, the HF backend decodes each segment with transformers' `generate` where the engine
+    is one of the earlier backends (`_copies`, `_generate`), else with `generation.decode`."""
+    if not engine.startswith("hf_") or not engine.endswith(("_copies", "_generate")):
+        yield
+        return
+    real = decode_mod.generate_settings
+    decode_mod.generate_settings = lambda model: ["the benchmark's engine: transformers' generate"]
+    try:
+        yield
+    finally:
+        decode_mod.generate_settings = real
+
+
 def run(engine: str, model, tok, task, args) -> dict:
+    with decoded_by(engine):
+        return _run(engine, model, tok, task, args)
+
+
+def _run(engine: str, model, tok, task, args) -> dict:
     t0 = time.perf_counter()
     be = backend(engine, model, tok)
     start_s = time.perf_counter() - t0

@@ -1,9 +1,10 @@
 """Where an HF generation batch spends its time, op by op: torch dispatch timing (not torch.profiler).
 
-    python benchmarks/generation_op_times.py [--shape eval|es] [--threads 1] [--copies]
+    python benchmarks/generation_op_times.py [--shape eval|es] [--threads 1] [--copies] [--prompts P] [--samples S] [--tokens T]
 
 One SmolLM2 batch through `HFBackend` in bf16, at the shapes of bench_generation.py (eval: 8 prompts x 8
-samples at T = 0.6; es: 16 prompts, greedy; 32 new tokens), after a warm-up: its plain wall time, then the
+samples at T = 0.6; es: 16 prompts, greedy; 32 new tokens; `--prompts 7 --samples 32 --tokens 96` is one
+batch of `deltalens eval`'s shape), after a warm-up: its plain wall time, then the
 same call under a TorchDispatchMode that times every aten op, summed by op and by whether it ran in a
 decoding step (one query token) or elsewhere. `--copies`: each row holding a copy of its prompt's cache
 (`share_prompts=False`, the backend before 2026-12-06). torch.profiler put 37-41 ms on a logits copy that
@@ -49,15 +50,19 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--copies", action="store_true")
     ap.add_argument("--rows", type=int, default=25, help="ops to print")
+    ap.add_argument("--prompts", type=int, help="prompts of the batch (default: the shape's, 8 or 16)")
+    ap.add_argument("--samples", type=int, help="samples per prompt of the eval shape (default 8; the evaluation's 32)")
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens at most (the evaluation's 96)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2")
     task = get_task(default_task("smollm2"))
     be = HFBackend(model, tok, compute_dtype="bf16", share_prompts=not args.copies)
     if args.shape == "eval":
-        n_prompts, params = 8, SamplingParams(n=8, temperature=0.6, max_new_tokens=32, seed=0)
+        n_prompts = args.prompts or 8
+        params = SamplingParams(n=args.samples or 8, temperature=0.6, max_new_tokens=args.tokens, seed=0)
     else:
-        n_prompts, params = 16, SamplingParams(n=1, temperature=0.0, max_new_tokens=32)
+        n_prompts, params = args.prompts or 16, SamplingParams(n=1, temperature=0.0, max_new_tokens=args.tokens)
     texts = problem_prompts(task.test(n_prompts), be.chat)
     be.generate(texts[:2], params)  # warm-up, and the bf16 copy
     t0 = time.perf_counter()

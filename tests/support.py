@@ -67,6 +67,27 @@ def small_gemma3(sliding: bool = False, seed: int = 3):
     return model, tok
 
 
+def small_qwen2():
+    """(model, tokenizer): a small random Qwen2 with the tiny model's tokenizer: untied LM head, q/k/v biases
+    (random, so a dropped bias shows)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from deltalens.tiny.build import build_tokenizer
+
+    torch.manual_seed(4)
+    tok = build_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                      max_position_embeddings=256, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.bos_token_id)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(".bias"):
+                p.normal_(0, 0.5)
+    return model, tok
+
+
 def weights(model) -> dict[str, torch.Tensor]:
     """A detached copy of a model's state dict."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

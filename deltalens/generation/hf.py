@@ -1,13 +1,16 @@
-"""HF backend: sample `n` completions per prompt with transformers' `generate`, batched and seeded.
+"""HF backend: sample `n` completions per prompt from a transformers model, batched and seeded.
 
-Every (prompt, sample) pair goes through `generate` with a KV cache and left padding, in batches of a
+Every (prompt, sample) pair is decoded with a KV cache and left padding (`deltalens.generation.decode`:
+the token ids transformers' `generate` computes for our arguments, without its per-step selection and
+bookkeeping; a model whose generation_config adds logits processors still goes through `generate`), in
+batches of a
 token budget with prompts sorted by token length (`deltalens.generation.batching`), results put back in
 the caller's order, each sequence stopped at EOS or at a stop string (`params.stop`, checked between
 segments; the text is cut before it). Per batch (`_generate_batch`):
 
 1. Prefill once per prompt (n > 1): a batch holds each of its prompts' samples side by side, so the
    prompt's tokens but the last go through the model once per distinct prompt (left padded, position
-   ids from the mask as `generate` computes them), and `generate` continues from that cache with the
+   ids from the mask as `generate` computes them), and decoding continues from that cache with the
    prompt's last token. Without it every sample recomputed its prompt: SmolLM2 with its chat-template
    prompts (~148 tokens) spent ~90% of its time in the prefill at 4 samples (cProfile, --limit 4
    --samples 4). The samples' rows then share the prompt's cache (`kv_cache.share_prefix`,
@@ -15,10 +18,10 @@ segments; the text is cut before it). Per batch (`_generate_batch`):
    all its rows, where copying them to every row (`share_prompts=False`, and the fallback for layers
    that are not ours, such as sliding-window ones) made each step read n copies. n = 1 keeps one plain
    `generate` call, the arithmetic ES's population batching reproduces (`deltalens.training.es.population`).
-2. Finished rows leave the batch: `generate` runs SEGMENT new tokens per call, continuing from the
-   returned KV cache (the same arithmetic as one call), and between calls the rows that reached EOS
-   (or wrote a stop string) leave the batch and the cache. transformers itself computes every row until
-   the batch's longest ends: on SmolLM2 at T=1 most rows end within 20 tokens while one may run to the
+2. Finished rows leave the batch: decoding runs SEGMENT new tokens per call, continuing from the
+   KV cache (the same arithmetic as one call), and between calls the rows that reached EOS
+   (or wrote a stop string) leave the batch and the cache. Within a call every row is computed until
+   the batch's longest ends (as in `generate`): on SmolLM2 at T=1 most rows end within 20 tokens while one may run to the
    limit; on Gemma-3-270M's plain few-shot prompts every row ran to the limit before the stop string.
 
 Greedy completions do not depend on the budget (rows are computed alike whatever the batch; checked on
@@ -26,8 +29,8 @@ tiny for budgets from one sequence to all, tests/generation/test_token_budget.py
 transformers 5 loads these models with. The KV cache is transformers' `DynamicCache` with its full-attention
 layers written in place (`deltalens.generation.kv_cache`: buffers regrown once per SEGMENT tokens, no
 per-step `torch.cat` of the whole cache). Sampling is `deltalens.generation.sampling`'s inverse-CDF draw
-(one uniform per row, not torch.multinomial's one exponential per vocabulary entry); no per-step Python work
-scales with batch x vocabulary (what remains per step is a fixed number of module calls, ~5% of a tiny step
+(one uniform per row, not torch.multinomial's one exponential per vocabulary entry), called directly by the
+decoding loop; no per-step Python work scales with batch x vocabulary (what remains per step is a fixed number of module calls, ~5% of a tiny step
 at 640 rows).
 
 Memory: the batch's KV cache is bounded by its token budget (`batching.token_budget`: by default the
@@ -53,11 +56,11 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, token_budget
+from deltalens.generation.decode import generate_or_decode
 from deltalens.generation.dtype import compute_copy, model_compute_dtype, sync_copy
 from deltalens.generation.kv_cache import cache_name, can_share, new_cache, share_prefix
 from deltalens.generation.params import SamplingParams, cut_at_stop, decode_completion
 from deltalens.generation.prompts import Prompt, encode_prompts, format_prompt, uses_chat
-from deltalens.generation.sampling import sampling_kwargs
 from deltalens.generation.shared_prefix import shared_prompt_attention
 from deltalens.io.heap import release_freed_memory
 
@@ -89,7 +92,7 @@ def prefill_prompts(runner, ids: torch.Tensor, att: torch.Tensor, group: torch.T
 
 
 class HFBackend:
-    """Batched sampling with transformers `generate` (KV cache, left padding, stop at EOS).
+    """Batched sampling from a transformers model (`generation.decode`: KV cache, left padding, stop at EOS).
 
     batch_tokens bounds (sequences x (prompt + new tokens)) per forward batch, which bounds the KV cache;
     None: the tokens whose KV cache fits in `kv_bytes` of the compute dtype (`batching.token_budget`).
@@ -188,8 +191,7 @@ class HFBackend:
         from transformers.utils import logging as hf_logging
 
         device = next(self.model.parameters()).device
-        tok, eos, name = self.tok, self.tok.eos_token_id, cache_name()
-        kw = sampling_kwargs(params.temperature, params.top_p)
+        tok, eos = self.tok, self.tok.eos_token_id
         cache = new_cache(runner.config, SEGMENT)  # written in place, room for a segment at a time (`kv_cache`)
         if params.n > 1:
             # 1. prefill each distinct prompt once, then give each of its rows a view of that cache
@@ -211,12 +213,11 @@ class HFBackend:
         while True:
             # 2. SEGMENT tokens at a time; rows that reached EOS leave the batch (and the cache) between calls
             step = min(SEGMENT, params.max_new_tokens - produced)
-            res = runner.generate(input_ids=ids, attention_mask=att, max_new_tokens=step,
-                                  pad_token_id=tok.pad_token_id, eos_token_id=eos, return_dict_in_generate=True,
-                                  **{name: cache}, **kw)
-            hf_logging.set_verbosity_error()  # continuations: finished rows end in padding, which is fine
-            new = res.sequences.shape[1] - ids.shape[1]
-            ids, cache, produced = res.sequences, getattr(res, name), produced + new
+            seqs = generate_or_decode(runner, ids, att, cache, step, pad_token_id=tok.pad_token_id, eos_token_id=eos,
+                                      temperature=params.temperature, top_p=params.top_p)
+            hf_logging.set_verbosity_error()  # `generate` continuing: finished rows end in padding, which is fine
+            new = seqs.shape[1] - ids.shape[1]
+            ids, produced = seqs, produced + new  # the cache filled in place
             att = torch.cat([att, att.new_ones(att.shape[0], new)], dim=1)
             gen = ids[:, width:]
             ended = ended_rows(tok, gen, params.stop)

@@ -7,10 +7,10 @@ benchmarks/README.md, "On AMX-BF16"). We draw by inverse CDF instead, one unifor
 
 1. p = exp((scores - max) / T) (fp32, [rows, V]), unnormalised, computed in place in the scores (0 where
    it would be below e^-87, under fp32's normal range);
-2. running sums inside each block of BLOCK entries (fp32, in place; the last block may be partial), the
-   blocks' totals summed across in fp64;
-3. u ~ U[0, total) per row: the block whose fp64 interval holds u, then the entry of that block whose
-   running-sum interval holds the rest (searchsorted, right-closed: an entry of probability 0 is never taken).
+2. each block of BLOCK entries' total (the last block may be partial), the totals' running sums in fp64;
+3. u ~ U[0, total) per row: the block whose fp64 interval holds u, then, from that block's running sums
+   (fp32; the only running sums computed), the entry whose interval holds the rest (searchsorted,
+   right-closed: an entry of probability 0 is never taken).
 
 The draw is exact up to the fp32 rounding of the running sums inside a block (each entry's probability
 off by at most BLOCK units in the last place of its block's mass, ~1.5e-5 of it at worst); the random
@@ -19,7 +19,8 @@ their distribution does not (checked: tests/generation/test_sampling.py). Workin
 as the single uniform: a step that allocates and passes over [rows, V] tensors several times
 (temperature, the draw, the output) cost ~3x this one (measured: benchmarks/bench_sampler.py).
 
-`sampling_kwargs` wires it into `generate`: greedy selection (`do_sample=False`) over logits processors:
+Our decoding loop (`generation.decode`) calls `draw` on each step's logits. `sampling_kwargs` wires the same
+draw into transformers' `generate` (for a model whose generation_config `decode` does not reproduce): greedy selection (`do_sample=False`) over logits processors:
 the draw with the temperature inside it, or, with top-p, temperature and top-p first and then the draw.
 The draw leaves 0 at the drawn token and -inf elsewhere, so the argmax is the sample. Greedy decoding
 (T = 0) is untouched.
@@ -35,7 +36,7 @@ BLOCK = 256  # vocabulary entries per block of the two-level draw
 
 def inverse_cdf_draw_(scores: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """[rows] token ids, each drawn from softmax(scores[row] / temperature) with the global torch generator,
-    computed in place: `scores` ([rows, V], fp32, contiguous) is left holding running sums of
+    computed in place: `scores` ([rows, V], fp32, contiguous) is left holding
     exp((scores - max) / temperature), unnormalised (the draw scales u by each row's total instead)."""
     rows, vocab = scores.shape
     m = scores.amax(-1, keepdim=True)
@@ -43,20 +44,20 @@ def inverse_cdf_draw_(scores: torch.Tensor, temperature: float = 1.0) -> torch.T
     # they are made 0 first: exp is ~10x slower on such arguments than on -inf (measured: bench_sampler.py)
     p = F.threshold_(scores.sub_(m).mul_(1.0 / temperature), -87.0, float("-inf")).exp_()
     full, rem = divmod(vocab, BLOCK)
-    head = p[:, : full * BLOCK].view(rows, full, BLOCK).cumsum_(-1)  # running sums inside each full block
-    tail = p[:, full * BLOCK:].cumsum_(-1)  # the last, partial block (rem entries; empty when rem == 0)
-    totals = [head[:, :, -1]] + ([tail[:, -1:]] if rem else [])
+    # each block's total (fp32): not running sums over the whole vocabulary (a sum is ~6x faster than a
+    # cumsum on the CPU; the two may round a block's total an ulp apart, which `rest` below absorbs)
+    totals = [p[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1)]
+    if rem:  # the last, partial block (rem entries)
+        totals.append(p[:, full * BLOCK:].sum(-1, keepdim=True))
     outer = torch.cat(totals, 1).double().cumsum_(-1)  # [rows, blocks]: running block totals
     blocks = outer.shape[1]
     u = torch.rand(rows, 1, dtype=torch.float64, device=p.device) * outer[:, -1:]
     b = torch.searchsorted(outer, u, right=True).clamp_(max=blocks - 1)  # [rows, 1]
     before = torch.where(b > 0, outer.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(u))
-    if full:
-        within = head.gather(1, b.clamp(max=full - 1).unsqueeze(-1).expand(rows, 1, BLOCK)).squeeze(1)
-    if rem:  # the partial block padded with its last running sum (never drawn: `rest` stays below it)
-        last = torch.cat([tail, tail[:, -1:].expand(rows, BLOCK - rem)], 1)
-        within = torch.where(b == full, last, within) if full else last
-    within = within.double()  # [rows, BLOCK]
+    # the drawn block's running sums only ([rows, BLOCK]); a partial block padded with zeros (its running
+    # sum stays at its total there, never drawn: `rest` stays below it)
+    cols = b * BLOCK + torch.arange(BLOCK, device=p.device)
+    within = p.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0).cumsum_(-1).double()
     # the rest of u inside the block, kept below its last running sum (fp64 vs fp32 sums may differ by an ulp)
     rest = torch.minimum(u - before, within[:, -1:] * (1 - 2.0**-40))
     return (b * BLOCK + torch.searchsorted(within, rest, right=True)).squeeze(1)
@@ -66,6 +67,20 @@ def inverse_cdf_draw(scores: torch.Tensor) -> torch.Tensor:
     """[rows] token ids, each drawn from softmax(scores[row]) (scores [rows, V], any float dtype, left as
     it is) with the global torch generator."""
     return inverse_cdf_draw_(scores.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True))
+
+
+def draw(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """[rows] token ids drawn from softmax(logits / temperature) ([rows, V], any float dtype, left as it is),
+    top-p first where top_p < 1: the numbers `sampling_kwargs`'s processors compute inside `generate` (its
+    fp32 copy of the logits, then temperature and top-p, then the draw), without the [rows, V] one-hot they
+    hand back for `generate`'s argmax (`generation.decode`)."""
+    scores = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
+    if top_p >= 1:
+        return inverse_cdf_draw_(scores, temperature)
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+    scores = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, scores))
+    return inverse_cdf_draw_(scores.contiguous(), 1.0)
 
 
 class InverseCDFSampler:

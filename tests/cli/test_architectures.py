@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from support import run_cli, small_gemma3
+from support import run_cli, small_gemma3, small_qwen2
 
 from deltalens.schema import validate
 
@@ -20,25 +20,6 @@ ES = ["--task", "arith", "--iterations", "2", "--population", "4", "--prompts", 
       "--compute-dtype", "bf16", "--shared-prefix", "--eval-every", "0", "--max-new-tokens", "12", "--sigma", "0.05"]
 GRPO = ["--task", "arith", "--steps", "1", "--prompts", "4", "--num-generations", "4", "--eval-every", "0",
         "--save-every", "0", "--max-new-tokens", "12"]
-
-
-def small_qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from deltalens.tiny.build import build_tokenizer
-
-    torch.manual_seed(4)
-    tok = build_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                      max_position_embeddings=256, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith(".bias"):
-                p.normal_(0, 0.5)
-    return model, tok
 
 
 @pytest.fixture(scope="module", params=["gemma3", "qwen2"])

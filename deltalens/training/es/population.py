@@ -3,7 +3,8 @@
 EGGROLL (arXiv 2511.16652) runs ES at close
 to batch-inference throughput by never materialising perturbed weights: member i's linear layer
 computes x·Wᵀ + x·(σ/√r)·B_i·A_iᵀ, so every member shares one batched forward over W. We do that
-inside transformers' own `generate` (KV cache, padding, EOS unchanged): the batch holds G members x B
+inside our decoding loop (`deltalens.generation.decode`, the ids transformers' `generate` computes; KV cache,
+padding, EOS unchanged): the batch holds G members x B
 prompts (member-major rows), and for the duration of the call the modules that own trained tensors
 get a member-aware forward that views the batch as [G, B·T, ...] and applies each member's weights:
 
@@ -15,7 +16,7 @@ get a member-aware forward that views the batch as [G, B·T, ...] and applies ea
     RMSNorm       (1-D weight: full-rank noise in both modes) stacked weights [G, d]; Llama's w·x̂ and
                   Gemma's x̂·(1 + w) (its stored w, as the master holds it), each recognised by its output
 
-Stragglers: one `generate` call runs until its longest row ends, and among G perturbed members some
+Stragglers: one decoding call runs until its longest row ends, and among G perturbed members some
 row often runs to the token budget (on tiny, N=32 x P=64: the centre's rows all end by token 45, the
 members' batch ran to 80 and took 2.3x as long). So `generate_replicated` generates SEGMENT tokens per
 call, continuing from the returned KV cache, and between calls retires the members whose rows have all
@@ -29,7 +30,7 @@ G x B recomputed them and every decoding step read them B times per member. With
 common token prefix goes through the model once per member (G rows, each member's weights), each member's
 B rows read it in place (`deltalens.generation.shared_prefix`: the prefix keys and values once per member
 and step, fp32, the split softmax), and each row's own rest of its prompt, left padded after the prefix
-with positions continuing from it, is prefilled in the first `generate` call (several query tokens per
+with positions continuing from it, is prefilled in the first decoding call (several query tokens per
 row: attention over whole rows). Completions equal the unshared batch's up to rounding (fp32 on tiny:
 identical, tests/training/es/test_population.py); measured figures in benchmarks/README.md.
 
@@ -71,7 +72,7 @@ G - 1 more while the survivors of a batch are gathered; checked against the free
 error that says which `--population-batch` fits); low rank
 holds G·r·(out + in) floats per matrix. The KV cache grows with G·B rows either way.
 
-Departures from EGGROLL: members run inside HF `generate` (segmented, see above) rather than a custom
+Departures from EGGROLL: members run inside the HF model's forward (decoded in segments, see above) rather than a custom
 JAX inference engine;
 full-rank members are batched too (stacked weights), for exact agreement with the paper's dense ES;
 the 1-D tensors keep dense noise; modules whose forward is not one of the above are refused rather than
@@ -95,10 +96,10 @@ from torch import nn
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches
 from deltalens.generation.hf import ended_rows, prefill_prompts
-from deltalens.generation.kv_cache import cache_name, can_share, new_cache
+from deltalens.generation.kv_cache import can_share, new_cache
 from deltalens.generation.params import decode_completion
 from deltalens.generation.prompts import problem_prompts
-from deltalens.generation.sampling import sampling_kwargs
+from deltalens.generation.decode import generate_or_decode
 from deltalens.generation.shared_prefix import shared_prompt_attention
 from deltalens.io.heap import release_freed_memory
 from deltalens.training.es.noise import block_in
@@ -392,7 +393,7 @@ def member_modules(model: nn.Module, members: Members):
 # ----------------------------------------------------------------------------------------------
 # generation and scoring
 
-SEGMENT = 16  # new tokens per `generate` call between retirements of finished members
+SEGMENT = 16  # new tokens per decoding call between retirements of finished members
 MIN_SHARED = 8  # the least common prefix (tokens) worth a prefill and a shared cache of its own
 
 
@@ -414,14 +415,14 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
     The prompts are cut into the batches `HFBackend.generate` makes (sorted by length, same size bound,
     same padding, `torch.manual_seed(seed + batch index)`), and each batch is repeated `replicas` times,
     replica-major: rows g·b .. g·b + b - 1 belong to replica g. Generation runs `segment` tokens per
-    `generate` call, continuing from the returned KV cache (the same arithmetic as one call); between
+    decoding call (`generation.decode`), continuing from the returned KV cache (the same arithmetic as one call); between
     calls the replicas whose rows have all ended are retired (rows, cache and `members` cut down), so
     a member that ends early stops costing compute, as it would alone. segment=None: one call.
     `model`: the module that generates (default generator.model; the engine's compute copy in bf16).
     shared: a batch's prompts' common token prefix (chat template, few-shot examples: ~120 of SmolLM2's
     ~149 prompt tokens) is prefilled once per replica, not once per row, and its rows read it in place
     (`generation.hf.prefill_prompts`, the prefill HFBackend gives a prompt's samples); each row then prefills its
-    own rest (left padded after the prefix, positions continuing from it) inside the first `generate` call.
+    own rest (left padded after the prefix, positions continuing from it) inside the first decoding call.
     The same arithmetic up to rounding (the split softmax; prefix keys and values kept in fp32).
     """
     from transformers.utils import logging as hf_logging
@@ -432,8 +433,7 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
     enc = generator.encode(prompts)
     out = [[""] * len(prompts) for _ in range(replicas)]
     device = next(model.parameters()).device
-    eos, name = tok.eos_token_id, cache_name()
-    kw = sampling_kwargs(params.temperature, params.top_p)
+    eos = tok.eos_token_id
     verbosity = hf_logging.get_verbosity()
     batches = length_batches([len(e) for e in enc], 1, params.max_new_tokens, generator.batch_tokens,
                              generator.max_batch)
@@ -463,11 +463,10 @@ def generate_replicated(generator, prompts: list[str], replicas: int, params, me
                     if produced:  # rows that ended end in padding: not the right padding transformers warns of
                         hf_logging.set_verbosity_error()
                     step = min(segment or params.max_new_tokens, params.max_new_tokens - produced)
-                    res = model.generate(input_ids=seqs, attention_mask=mask, max_new_tokens=step,
-                                         pad_token_id=tok.pad_token_id, eos_token_id=eos,
-                                         return_dict_in_generate=True, **{name: cache}, **kw)
-                    new = res.sequences.shape[1] - seqs.shape[1]
-                    seqs, cache, produced = res.sequences, getattr(res, name), produced + new
+                    res = generate_or_decode(model, seqs, mask, cache, step, pad_token_id=tok.pad_token_id,
+                                             eos_token_id=eos, temperature=params.temperature, top_p=params.top_p)
+                    new = res.shape[1] - seqs.shape[1]
+                    seqs, produced = res, produced + new  # the cache filled in place
                     mask = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
                     gen = seqs[:, t:].cpu()
                     ended = ended_rows(tok, gen, params.stop).view(len(live), len(chunk)).all(1).tolist()

@@ -1,0 +1,125 @@
+"""`generation.decode`: our decoding loop computes the token ids transformers' `generate` computes for our
+arguments (greedy and sampled, top-p, left padding, a cache filled before, rows ending early), on the tiny
+checkpoint and small random Llama (bf16), Gemma 3 (a sliding-window layer) and Qwen2 models, through
+`HFBackend` and ES population batching; a model whose generation_config adds logits processors is handed
+to `generate`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import small_gemma3, small_llama, small_qwen2, tiny_spec
+
+from deltalens.generation import HFBackend, SamplingParams
+from deltalens.generation import decode as decode_mod
+from deltalens.generation.kv_cache import cache_name, new_cache
+from deltalens.generation.sampling import sampling_kwargs
+
+MODELS = {
+    "tiny": lambda: __import__("deltalens.io.models", fromlist=["load_model"]).load_model(tiny_spec()),
+    "llama-bf16": lambda: small_llama(dtype=torch.bfloat16, hidden=64, layers=2, heads=4, kv_heads=2,
+                                      intermediate=128),
+    "gemma3-sliding": lambda: small_gemma3(sliding=True),
+    "qwen2": small_qwen2,
+}
+PROMPTS = ["12+7=", "3+44=", "5+5=", "100+23=", "7+8=", "61+2="]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_tok(request):
+    return MODELS[request.param]()
+
+
+def force_generate(monkeypatch):
+    """Every segment through transformers' `generate` (the path before `generation.decode`)."""
+    monkeypatch.setattr(decode_mod, "generate_settings", lambda model: ["forced by the test"])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=1, temperature=0.0, max_new_tokens=40),
+    SamplingParams(n=3, temperature=0.0, max_new_tokens=40),
+    SamplingParams(n=3, temperature=1.0, max_new_tokens=40, seed=5),
+    SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=24, seed=2),
+    SamplingParams(n=1, temperature=1.0, max_new_tokens=24, seed=3)],
+    ids=["greedy-n1", "greedy-n3-shared", "sampled-n3-shared", "top-p", "sampled-n1"])
+def test_hf_backend_same_ids_as_generate(model_tok, monkeypatch, params):
+    model, tok = model_tok
+    be = HFBackend(model, tok, batch_tokens=300)  # several batches; rows leave between segments
+    ours = be.generate_ids(be.encode(PROMPTS), params)
+    force_generate(monkeypatch)
+    assert be.generate_ids(be.encode(PROMPTS), params) == ours
+    if params.temperature > 0:  # draws that differ between rows (a random model's greedy rows may all agree)
+        assert len({tuple(r) for rows in ours for r in rows}) > 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_one_segment_from_a_filled_cache(model_tok, temperature):
+    """Left padding, the cache holding all but each row's last 3 tokens, a segment of 12: the same
+    sequences, and the cache left at the same length, as `generate`'s."""
+    model, tok = model_tok
+    from deltalens.generation.batching import left_pad
+
+    ids, att = left_pad([tok.encode(p) for p in PROMPTS], tok.pad_token_id)
+    out = {}
+    for way in ("generate", "decode"):
+        cache = new_cache(model.config, 16)
+        with torch.no_grad():
+            pos = (att[:, :-3].cumsum(-1) - 1).masked_fill(att[:, :-3] == 0, 0)
+            model(input_ids=ids[:, :-3], attention_mask=att[:, :-3], position_ids=pos, use_cache=True,
+                  **{cache_name(): cache})
+        torch.manual_seed(11)
+        if way == "generate":
+            seqs = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=tok.eos_token_id, return_dict_in_generate=True,
+                                  **{cache_name(): cache}, **sampling_kwargs(temperature)).sequences
+        else:
+            seqs = decode_mod.decode_segment(model, ids, att, cache, 12, pad_token_id=tok.pad_token_id,
+                                             eos_token_id=tok.eos_token_id, temperature=temperature)
+        out[way] = (seqs, cache.get_seq_length())
+    assert torch.equal(out["decode"][0], out["generate"][0]) and out["decode"][1] == out["generate"][1]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_population_batching_same_as_generate(monkeypatch, shared):
+    """ES members generated together (members retired between segments, the shared prefix or not): the same
+    completions as with `generate` doing each segment."""
+    from deltalens.io.models import load_model
+    from deltalens.training.es import population as pop_mod
+    from deltalens.training.es.config import ESConfig
+    from deltalens.training.es.engine import ESEngine, new_timing
+    from deltalens.training.es.strategy import iteration_problems
+    from deltalens.training.run import make_task
+
+    model, tok = load_model(tiny_spec())
+    cfg = ESConfig(model="tiny", noise="lowrank", rank=1, population=8, population_batch=8, prompts_per_iteration=6,
+                   sigma=0.03, antithetic=True, max_new_tokens=40, eval_every=0, checkpoint_every=0,
+                   shared_prefix=shared, temperature=0.0)
+    eng = ESEngine(model, tok, make_task(cfg), cfg)
+    problems = iteration_problems(eng.task, cfg, 1)
+    seen = []
+    score = eng.mean_reward
+    eng.mean_reward = lambda completions, probs, timing=None: seen.append(list(completions)) or score(completions, probs)
+    monkeypatch.setattr(pop_mod, "SEGMENT", 4)  # members end in different segments and are retired
+    pop_mod.evaluate_batched(eng, 1, range(8), problems, new_timing())
+    ours, seen[:] = list(seen), []
+    force_generate(monkeypatch)
+    pop_mod.evaluate_batched(eng, 1, range(8), problems, new_timing())
+    assert seen == ours and len({tuple(c) for c in ours}) > 1
+
+
+def test_a_generation_config_with_processors_goes_to_generate(monkeypatch):
+    """A repetition penalty in the model's generation_config is not ours to drop: `generate` applies it."""
+    from deltalens.io.models import load_model
+
+    model, tok = load_model(tiny_spec())
+    be = HFBackend(model, tok)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=30)
+    plain = be.generate(PROMPTS, params)
+    model.generation_config.repetition_penalty = 5.0
+    try:
+        assert decode_mod.generate_settings(model) == ["repetition_penalty"]
+        monkeypatch.setattr(decode_mod, "decode_segment", lambda *a, **k: pytest.fail("decode_segment used"))
+        penalised = be.generate(PROMPTS, params)
+    finally:
+        model.generation_config.repetition_penalty = 1.0
+    assert penalised != plain and decode_mod.generate_settings(model) == []
