@@ -82,11 +82,14 @@ def decode_segment(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     pad = torch.tensor(pad_token_id, device=input_ids.device)
     out = [input_ids]
     extra = {cache_name(): cache, **({"logits_to_keep": 1} if _keeps_logits(type(model)) else {})}
+    buf = None
     for step in range(max_new_tokens):
         logits = model(input_ids=tokens.contiguous(), attention_mask=mask, position_ids=pos.contiguous(),
                        use_cache=True, return_dict=True, **extra).logits[:, -1]
         if temperature > 0:
-            nxt = draw(logits, temperature, top_p)
+            if buf is None:  # one fp32 buffer for the segment's scores (`sampling.draw`)
+                buf = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            nxt = draw(logits, temperature, top_p, out=buf)
         else:  # max's indices: argmax's (the first on ties) at half its time on the CPU
             nxt = logits.max(-1).indices
         nxt = nxt * unfinished + pad * (1 - unfinished)

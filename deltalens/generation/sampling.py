@@ -69,12 +69,18 @@ def inverse_cdf_draw(scores: torch.Tensor) -> torch.Tensor:
     return inverse_cdf_draw_(scores.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True))
 
 
-def draw(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+def draw(logits: torch.Tensor, temperature: float, top_p: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """[rows] token ids drawn from softmax(logits / temperature) ([rows, V], any float dtype, left as it is),
     top-p first where top_p < 1: the numbers `sampling_kwargs`'s processors compute inside `generate` (its
     fp32 copy of the logits, then temperature and top-p, then the draw), without the [rows, V] one-hot they
-    hand back for `generate`'s argmax (`generation.decode`)."""
-    scores = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
+    hand back for `generate`'s argmax (`generation.decode`). `out`: a contiguous fp32 [rows, V] tensor to
+    copy the logits into (overwritten), so that a decoding loop reuses one buffer: at SmolLM2's eval batch
+    a fresh fp32 copy is 42 MB, above glibc's largest mmap threshold (32 MiB), so each step's would be
+    mapped and faulted in anew."""
+    if out is not None:
+        scores = out.copy_(logits)
+    else:
+        scores = logits.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
     if top_p >= 1:
         return inverse_cdf_draw_(scores, temperature)
     from transformers import TemperatureLogitsWarper, TopPLogitsWarper
