@@ -22,9 +22,10 @@ score tensor (filled with -inf but for the drawn token) that `generate` then arg
 torch dispatch timing, benchmarks/generation_op_times.py), and greedy decoding copied the logits to fp32
 (~24 ms) before its argmax; plus its per-step bookkeeping.
 
-Settings of the model's own `generation_config` that would add logits processors (a repetition penalty, a
-minimum length, suppressed or forced tokens, ...) are not reproduced here: `generate_or_decode` hands such
-a model to `generate`, as before, so no setting is silently dropped.
+Settings of the model's own `generation_config` that change what `generate` computes for our call (a
+repetition penalty, beams, a minimum length, suppressed or forced tokens, assisted decoding, ...) are not
+reproduced here, nor a model class's own generation hooks: `generate_or_decode` hands such a model to
+`generate`, as before (`generate_settings` says why), so no setting is silently dropped.
 """
 
 from __future__ import annotations
@@ -37,25 +38,46 @@ import torch
 from deltalens.generation.kv_cache import cache_name
 from deltalens.generation.sampling import draw
 
-# generation_config fields whose non-default values make `generate` add logits processors for greedy
-# selection (what our calls use); `decode_segment` reproduces none of them
-_PROCESSOR_FIELDS = {
-    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "no_repeat_ngram_size": (None, 0),
-    "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,), "min_length": (None, 0),
-    "min_new_tokens": (None, 0), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
-    "forced_bos_token_id": (None,), "forced_eos_token_id": (None,), "sequence_bias": (None,),
-    "exponential_decay_length_penalty": (None,), "renormalize_logits": (None, False), "guidance_scale": (None, 1.0),
-    "watermarking_config": (None,), "stop_strings": (None,), "prefill_chunk_size": (None,),
-}
+# generation_config fields `decode_segment` may leave at any value: what our call sets or overrides (token
+# ids, lengths, the sampling settings, which `generate` does not apply with our do_sample=False), what only
+# shapes `generate`'s return value or its speed, and settings of modes our call never selects (beam search's
+# length penalty, ...). Any other field away from its default (a repetition penalty, beams, a minimum
+# length, suppressed tokens, assisted decoding, `use_cache` off, ...) sends the model to `generate`.
+_FREE_FIELDS = frozenset({
+    "pad_token_id", "eos_token_id", "bos_token_id", "decoder_start_token_id", "_from_model_config",
+    "transformers_version", "max_length", "max_new_tokens", "do_sample", "temperature", "top_p", "top_k",
+    "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h", "output_attentions", "output_hidden_states",
+    "output_scores", "output_logits", "return_dict_in_generate", "length_penalty", "early_stopping",
+    "diversity_penalty", "compile_config", "disable_compile",
+})
+
+
+# values that leave `generate`'s greedy decoding as it is (transformers 5 defaults these fields to None)
+_NEUTRAL = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "num_beams": 1, "num_beam_groups": 1,
+            "num_return_sequences": 1, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "min_length": 0,
+            "min_new_tokens": 0, "renormalize_logits": False, "remove_invalid_values": False, "guidance_scale": 1.0,
+            "use_cache": True, "token_healing": False, "low_memory": False}
 
 
 def generate_settings(model) -> list[str]:
-    """The fields of `model.generation_config` that `decode_segment` does not reproduce (empty: it can
-    stand in for `generate`)."""
+    """What `decode_segment` would not reproduce for this model (empty: it can stand in for `generate`):
+    the fields of `model.generation_config` away from their defaults (and from `_NEUTRAL`'s values) outside
+    `_FREE_FIELDS`, and a model class with generation hooks of its own (`prepare_inputs_for_generation` overridden, or
+    a forward without `position_ids` / `attention_mask`)."""
+    out = []
     cfg = getattr(model, "generation_config", None)
-    if cfg is None:
-        return []
-    return [k for k, neutral in _PROCESSOR_FIELDS.items() if getattr(cfg, k, None) not in neutral]
+    if cfg is not None:
+        diff = cfg.to_diff_dict()
+        out += sorted(k for k, v in diff.items()
+                      if k not in _FREE_FIELDS and not (k in _NEUTRAL and v == _NEUTRAL[k]))
+    from transformers.generation.utils import GenerationMixin
+
+    cls = type(model)
+    if getattr(cls, "prepare_inputs_for_generation", None) is not GenerationMixin.prepare_inputs_for_generation:
+        out.append(f"{cls.__name__}.prepare_inputs_for_generation")
+    if not {"position_ids", "attention_mask"} <= set(inspect.signature(cls.forward).parameters):
+        out.append(f"{cls.__name__}.forward without position_ids or attention_mask")
+    return out
 
 
 @functools.cache

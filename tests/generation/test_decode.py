@@ -79,8 +79,38 @@ def test_one_segment_from_a_filled_cache(model_tok, temperature):
     assert torch.equal(out["decode"][0], out["generate"][0]) and out["decode"][1] == out["generate"][1]
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_population_batching_same_as_generate(monkeypatch, shared):
+@pytest.mark.parametrize("steps,temperature", [(1, 0.0), (1, 1.0), (30, 0.0), (30, 1.0)])
+def test_a_segment_ends_when_every_row_has(steps, temperature):
+    """With "=" as the end token every tiny row ends within a few tokens: the segment stops there (fewer than
+    max_new_tokens columns, as `generate` returns), and a one-token segment is one token."""
+    from deltalens.generation.batching import left_pad
+    from deltalens.io.models import load_model
+
+    from deltalens.tasks import get_task
+
+    model, tok = load_model(tiny_spec())
+    ids, att = left_pad([tok.encode(p.prompt) for p in get_task("arith").test(6)], tok.pad_token_id)
+    eos = tok.encode("=", add_special_tokens=False)[-1]  # written by every row within a few tokens (its answer's first step)
+    out = {}
+    for way in ("generate", "decode"):
+        torch.manual_seed(4)
+        cache = new_cache(model.config, 16)
+        if way == "generate":
+            out[way] = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=steps,
+                                      pad_token_id=tok.pad_token_id, eos_token_id=eos,
+                                      return_dict_in_generate=True, **{cache_name(): cache},
+                                      **sampling_kwargs(temperature)).sequences
+        else:
+            out[way] = decode_mod.decode_segment(model, ids, att, cache, steps, pad_token_id=tok.pad_token_id,
+                                                 eos_token_id=eos, temperature=temperature)
+    assert torch.equal(out["decode"], out["generate"])
+    new = out["decode"].shape[1] - ids.shape[1]
+    assert new == 1 if steps == 1 else 1 < new < steps
+    assert steps == 1 or bool((out["decode"][:, ids.shape[1]:] == eos).any(1).all())
+
+
+@pytest.mark.parametrize("shared,temperature", [(False, 0.0), (True, 0.0), (True, 0.8)])
+def test_population_batching_same_as_generate(monkeypatch, shared, temperature):
     """ES members generated together (members retired between segments, the shared prefix or not): the same
     completions as with `generate` doing each segment."""
     from deltalens.io.models import load_model
@@ -93,7 +123,7 @@ def test_population_batching_same_as_generate(monkeypatch, shared):
     model, tok = load_model(tiny_spec())
     cfg = ESConfig(model="tiny", noise="lowrank", rank=1, population=8, population_batch=8, prompts_per_iteration=6,
                    sigma=0.03, antithetic=True, max_new_tokens=40, eval_every=0, checkpoint_every=0,
-                   shared_prefix=shared, temperature=0.0)
+                   shared_prefix=shared, temperature=temperature)
     eng = ESEngine(model, tok, make_task(cfg), cfg)
     problems = iteration_problems(eng.task, cfg, 1)
     seen = []
@@ -123,3 +153,43 @@ def test_a_generation_config_with_processors_goes_to_generate(monkeypatch):
     finally:
         model.generation_config.repetition_penalty = 1.0
     assert penalised != plain and decode_mod.generate_settings(model) == []
+
+
+def test_settings_decode_does_not_reproduce_are_named():
+    """Beams, assisted decoding, `use_cache` off, a model class's own generation hooks: each named, so
+    `generate_or_decode` hands the model to `generate`; token ids, lengths and sampling settings (which our
+    call overrides) are not."""
+    from transformers import LlamaForCausalLM
+
+    model, _ = small_llama()
+    cfg = model.generation_config
+    assert decode_mod.generate_settings(model) == []
+    cfg.update(top_k=20, temperature=0.7, top_p=0.8, max_length=99, pad_token_id=5)  # overridden by our call
+    assert decode_mod.generate_settings(model) == []
+    cfg.update(num_beams=1, repetition_penalty=1.0, use_cache=True)  # the neutral values
+    assert decode_mod.generate_settings(model) == []
+    cfg.update(num_beams=3, prompt_lookup_num_tokens=4, use_cache=False, remove_invalid_values=True)
+    assert decode_mod.generate_settings(model) == ["num_beams", "prompt_lookup_num_tokens", "remove_invalid_values",
+                                                   "use_cache"]
+
+    class Hooked(LlamaForCausalLM):
+        def prepare_inputs_for_generation(self, *args, **kwargs):
+            return super().prepare_inputs_for_generation(*args, **kwargs)
+
+    assert decode_mod.generate_settings(Hooked(model.config)) == ["Hooked.prepare_inputs_for_generation"]
+
+
+def test_beams_in_the_generation_config_go_to_generate(monkeypatch):
+    from deltalens.io.models import load_model
+
+    model, tok = load_model(tiny_spec())
+    be = HFBackend(model, tok)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=20)
+    ours = be.generate_ids(be.encode(PROMPTS[:2]), params)
+    model.generation_config.num_beams = 3
+    try:
+        monkeypatch.setattr(decode_mod, "decode_segment", lambda *a, **k: pytest.fail("decode_segment used"))
+        beams = be.generate_ids(be.encode(PROMPTS[:2]), params)
+    finally:
+        model.generation_config.num_beams = 1
+    assert beams != ours  # beam search kept, not replaced by greedy decoding
