@@ -46,16 +46,22 @@ def sparsity_task(ctx: TaskContext, cfg: StudyConfig, label: str) -> dict:
     points = []
     for target, tau in zip(cfg.sparsity, taus):
         ctx.log(f"sparsity {target:g} of {label}: threshold, random mask, uniform shrink")
-        thr, st = apply_threshold(base_sd, ckpt_sd, tau)
-        rnd, _ = random_mask(base_sd, ckpt_sd, st["sparsity"], seed=seed)
-        shr, _ = uniform_shrink(base_sd, ckpt_sd, st["kept_l2_frac"] or 0.0)
         tag = f"{m.hash(spec)}:{tau!r}"
         what = f"{label} at sparsity {target:g}"
-        points.append({"target_sparsity": target, "tau": tau, "sparsity": st["sparsity"],
-                       "kept_l2_frac": st["kept_l2_frac"],
-                       "threshold": m.state_dict_pass1(cfg.model, thr, "thr:" + tag, label=f"{what}, threshold"),
-                       "random": m.state_dict_pass1(cfg.model, rnd, "rnd:" + tag, label=f"{what}, random mask"),
-                       "shrink": m.state_dict_pass1(cfg.model, shr, "shr:" + tag, label=f"{what}, uniform shrink")})
+        # one modified copy of the weights alive at a time (each is a whole model in fp32: with the base and
+        # the run's weights beside it, three at once per target and the next target's made before the last
+        # one's were freed took Qwen2.5-0.5B's study past 24 GB); each is seeded, so the order changes nothing
+        thr, st = apply_threshold(base_sd, ckpt_sd, tau)
+        point = {"target_sparsity": target, "tau": tau, "sparsity": st["sparsity"], "kept_l2_frac": st["kept_l2_frac"],
+                 "threshold": m.state_dict_pass1(cfg.model, thr, "thr:" + tag, label=f"{what}, threshold")}
+        del thr
+        rnd, _ = random_mask(base_sd, ckpt_sd, st["sparsity"], seed=seed)
+        point["random"] = m.state_dict_pass1(cfg.model, rnd, "rnd:" + tag, label=f"{what}, random mask")
+        del rnd
+        shr, _ = uniform_shrink(base_sd, ckpt_sd, st["kept_l2_frac"] or 0.0)
+        point["shrink"] = m.state_dict_pass1(cfg.model, shr, "shr:" + tag, label=f"{what}, uniform shrink")
+        del shr
+        points.append(point)
     return {"base": base_p1, "full": full_p1, "points": points}
 
 
