@@ -88,6 +88,29 @@ def small_qwen2():
     return model, tok
 
 
+def member_completions(model, tok, monkeypatch, **overrides) -> list[list[str]]:
+    """Each ES member's completions from one population-batched evaluation (`population.evaluate_batched`) of
+    8 members on tiny's 6 problems of iteration 1, SEGMENT 4 (members end in different segments and are
+    retired); `overrides`: ESConfig fields (default low-rank rank-1 antithetic noise, σ 0.03, greedy)."""
+    from deltalens.training.es import population as pop_mod
+    from deltalens.training.es.config import ESConfig
+    from deltalens.training.es.engine import ESEngine, new_timing
+    from deltalens.training.es.strategy import iteration_problems
+    from deltalens.training.run import make_task
+
+    cfg = ESConfig(**{"model": "tiny", "noise": "lowrank", "rank": 1, "population": 8, "population_batch": 8,
+                      "prompts_per_iteration": 6, "sigma": 0.03, "antithetic": True, "max_new_tokens": 40,
+                      "eval_every": 0, "checkpoint_every": 0, **overrides})
+    eng = ESEngine(model, tok, make_task(cfg), cfg)
+    problems = iteration_problems(eng.task, cfg, 1)
+    seen: list[list[str]] = []
+    score = eng.mean_reward
+    eng.mean_reward = lambda completions, probs, timing=None: seen.append(list(completions)) or score(completions, probs)
+    monkeypatch.setattr(pop_mod, "SEGMENT", 4)
+    pop_mod.evaluate_batched(eng, 1, range(8), problems, new_timing())
+    return seen
+
+
 def weights(model) -> dict[str, torch.Tensor]:
     """A detached copy of a model's state dict."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

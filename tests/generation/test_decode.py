@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import small_gemma3, small_llama, small_qwen2, tiny_spec
+from support import member_completions, small_gemma3, small_llama, small_qwen2, tiny_spec
 
 from deltalens.generation import HFBackend, SamplingParams
 from deltalens.generation import decode as decode_mod
@@ -114,27 +114,12 @@ def test_population_batching_same_as_generate(monkeypatch, shared, temperature):
     """ES members generated together (members retired between segments, the shared prefix or not): the same
     completions as with `generate` doing each segment."""
     from deltalens.io.models import load_model
-    from deltalens.training.es import population as pop_mod
-    from deltalens.training.es.config import ESConfig
-    from deltalens.training.es.engine import ESEngine, new_timing
-    from deltalens.training.es.strategy import iteration_problems
-    from deltalens.training.run import make_task
 
     model, tok = load_model(tiny_spec())
-    cfg = ESConfig(model="tiny", noise="lowrank", rank=1, population=8, population_batch=8, prompts_per_iteration=6,
-                   sigma=0.03, antithetic=True, max_new_tokens=40, eval_every=0, checkpoint_every=0,
-                   shared_prefix=shared, temperature=temperature)
-    eng = ESEngine(model, tok, make_task(cfg), cfg)
-    problems = iteration_problems(eng.task, cfg, 1)
-    seen = []
-    score = eng.mean_reward
-    eng.mean_reward = lambda completions, probs, timing=None: seen.append(list(completions)) or score(completions, probs)
-    monkeypatch.setattr(pop_mod, "SEGMENT", 4)  # members end in different segments and are retired
-    pop_mod.evaluate_batched(eng, 1, range(8), problems, new_timing())
-    ours, seen[:] = list(seen), []
+    ours = member_completions(model, tok, monkeypatch, shared_prefix=shared, temperature=temperature)
     force_generate(monkeypatch)
-    pop_mod.evaluate_batched(eng, 1, range(8), problems, new_timing())
-    assert seen == ours and len({tuple(c) for c in ours}) > 1
+    assert member_completions(model, tok, monkeypatch, shared_prefix=shared, temperature=temperature) == ours
+    assert len({tuple(c) for c in ours}) > 1
 
 
 def test_a_generation_config_with_processors_goes_to_generate(monkeypatch):

@@ -9,7 +9,7 @@ import platform
 
 import pytest
 import torch
-from support import small_llama, tiny_spec
+from support import member_completions, small_llama, tiny_spec
 
 from deltalens.generation import HFBackend, SamplingParams, kv_cache
 from deltalens.generation import hf as hf_mod
@@ -116,25 +116,11 @@ def test_population_batching_same_with_either_cache(tiny, monkeypatch, noise):
     """ES members generated together (`generate_replicated`, members retired between segments): the
     same completions with the in-place cache as with transformers' own."""
     from deltalens.training.es import population as pop_mod
-    from deltalens.training.es.config import ESConfig
-    from deltalens.training.es.engine import ESEngine, new_timing
-    from deltalens.training.es.strategy import iteration_problems
-    from deltalens.training.run import make_task
 
     model, tok, _ = tiny
-    cfg = ESConfig(model="tiny", noise=noise, rank=1, population=8, population_batch=8, prompts_per_iteration=6,
-                   sigma=0.03, antithetic=True, max_new_tokens=40, eval_every=0, checkpoint_every=0)
-    eng = ESEngine(model, tok, make_task(cfg), cfg)
-    problems = iteration_problems(eng.task, cfg, 1)
-    seen = []
-    score = eng.mean_reward
-    eng.mean_reward = lambda completions, probs, timing=None: seen.append(list(completions)) or score(completions, probs)
-    monkeypatch.setattr(pop_mod, "SEGMENT", 4)  # members end in different segments and are retired
-    pop_mod.evaluate_batched(eng, 1, range(8), problems, new_timing())
-    ours, seen[:] = list(seen), []
+    ours = member_completions(model, tok, monkeypatch, noise=noise)
     monkeypatch.setattr(pop_mod, "new_cache", plain_cache)
-    pop_mod.evaluate_batched(eng, 1, range(8), problems, new_timing())
-    assert seen == ours and len({tuple(c) for c in ours}) > 1
+    assert member_completions(model, tok, monkeypatch, noise=noise) == ours and len({tuple(c) for c in ours}) > 1
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim only")
