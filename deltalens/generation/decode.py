@@ -36,7 +36,7 @@ import inspect
 import torch
 
 from deltalens.generation.kv_cache import cache_name
-from deltalens.generation.sampling import draw
+from deltalens.generation.sampling import draw, sampling_kwargs
 
 # generation_config fields `decode_segment` may leave at any value: what our call sets or overrides (token
 # ids, lengths, the sampling settings, which `generate` does not apply with our do_sample=False), what only
@@ -70,9 +70,16 @@ def generate_settings(model) -> list[str]:
         diff = cfg.to_diff_dict()
         out += sorted(k for k, v in diff.items()
                       if k not in _FREE_FIELDS and not (k in _NEUTRAL and v == _NEUTRAL[k]))
+    return out + _class_hooks(type(model))
+
+
+@functools.cache
+def _class_hooks(cls) -> list[str]:
+    """A model class's own generation hooks, which `decode_segment` does not reproduce (checked once per
+    class: `generate_or_decode` asks every segment)."""
     from transformers.generation.utils import GenerationMixin
 
-    cls = type(model)
+    out = []
     if getattr(cls, "prepare_inputs_for_generation", None) is not GenerationMixin.prepare_inputs_for_generation:
         out.append(f"{cls.__name__}.prepare_inputs_for_generation")
     if not {"position_ids", "attention_mask"} <= set(inspect.signature(cls.forward).parameters):
@@ -135,8 +142,6 @@ def generate_or_decode(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     if not generate_settings(model):
         return decode_segment(model, input_ids, attention_mask, cache, max_new_tokens, pad_token_id=pad_token_id,
                               eos_token_id=eos_token_id, temperature=temperature, top_p=top_p)
-    from deltalens.generation.sampling import sampling_kwargs
-
     res = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                          pad_token_id=pad_token_id, eos_token_id=eos_token_id, return_dict_in_generate=True,
                          **{cache_name(): cache}, **sampling_kwargs(temperature, top_p))

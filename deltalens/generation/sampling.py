@@ -66,7 +66,7 @@ def inverse_cdf_draw_(scores: torch.Tensor, temperature: float = 1.0) -> torch.T
 def inverse_cdf_draw(scores: torch.Tensor) -> torch.Tensor:
     """[rows] token ids, each drawn from softmax(scores[row]) (scores [rows, V], any float dtype, left as
     it is) with the global torch generator."""
-    return inverse_cdf_draw_(scores.to(dtype=torch.float32, memory_format=torch.contiguous_format, copy=True))
+    return draw(scores, 1.0)
 
 
 def draw(logits: torch.Tensor, temperature: float, top_p: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
