@@ -10,16 +10,16 @@ segment of new tokens, continuing from the cache the previous segment filled. It
 2. the first forward takes the tokens the cache does not hold (input_ids[:, cached:]), each later one the
    last token, with positions counting on and the mask grown by a column a step; `logits_to_keep=1`;
 3. the next token: the logits' argmax (greedy; read in their own dtype, bf16 -> fp32 being exact, through
-   `max`'s indices: the same first index on ties, 15.4 ms against argmax's 40.8 ms on [214, 49,152] bf16
-   at one thread), or `sampling.draw` (the inverse-CDF draw, after temperature and top-p where set: the
-   same numbers and random stream as our processors inside `generate`); a row that has written EOS gets
-   padding from then on;
+   `max`'s indices: the same first index on ties, 12.6 ms against argmax's 34.2 ms on [214, 49,152] bf16
+   at one thread, benchmarks/bench_decode_pieces.py), or `sampling.draw` (the inverse-CDF draw, after
+   temperature and top-p where set: the same numbers and random stream as our processors inside
+   `generate`); a row that has written EOS gets padding from then on;
 4. stop when every row has written EOS or after `max_new_tokens`.
 
 Why not `generate`: at `deltalens eval`'s batch shape (SmolLM2 bf16, 214 rows x 49,152 vocabulary, one
 thread) its selection cost ~35 ms a step on top of our draw: the processors must hand back a [rows, V]
 score tensor (filled with -inf but for the drawn token) that `generate` then argmaxes (29.6 ms a step,
-torch dispatch timing, benchmarks/generation_op_times.py), and greedy decoding copied the logits to fp32
+a one-off torch dispatch timing by op and shape with generation_op_times.py's timer, not kept), and greedy decoding copied the logits to fp32
 (~24 ms) before its argmax; plus its per-step bookkeeping.
 
 Settings of the model's own `generation_config` that change what `generate` computes for our call (a

@@ -44,8 +44,9 @@ def inverse_cdf_draw_(scores: torch.Tensor, temperature: float = 1.0) -> torch.T
     # they are made 0 first: exp is ~10x slower on such arguments than on -inf (measured: bench_sampler.py)
     p = F.threshold_(scores.sub_(m).mul_(1.0 / temperature), -87.0, float("-inf")).exp_()
     full, rem = divmod(vocab, BLOCK)
-    # each block's total (fp32): not running sums over the whole vocabulary (a sum is ~6x faster than a
-    # cumsum on the CPU; the two may round a block's total an ulp apart, which `rest` below absorbs)
+    # each block's total (fp32): not running sums over the whole vocabulary (the draw 11.0 against 23.1 ms at
+    # [214, 49,152], benchmarks/bench_decode_pieces.py; a sum and a cumsum may round a block's total an ulp
+    # apart, which `rest` below absorbs)
     totals = [p[:, : full * BLOCK].view(rows, full, BLOCK).sum(-1)]
     if rem:  # the last, partial block (rem entries)
         totals.append(p[:, full * BLOCK:].sum(-1, keepdim=True))

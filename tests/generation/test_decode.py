@@ -85,7 +85,6 @@ def test_a_segment_ends_when_every_row_has(steps, temperature):
     max_new_tokens columns, as `generate` returns), and a one-token segment is one token."""
     from deltalens.generation.batching import left_pad
     from deltalens.io.models import load_model
-
     from deltalens.tasks import get_task
 
     model, tok = load_model(tiny_spec())

@@ -95,11 +95,11 @@ from torch import nn
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches
+from deltalens.generation.decode import generate_or_decode
 from deltalens.generation.hf import ended_rows, prefill_prompts
 from deltalens.generation.kv_cache import can_share, new_cache
 from deltalens.generation.params import decode_completion
 from deltalens.generation.prompts import problem_prompts
-from deltalens.generation.decode import generate_or_decode
 from deltalens.generation.shared_prefix import shared_prompt_attention
 from deltalens.io.heap import release_freed_memory
 from deltalens.training.es.noise import block_in
