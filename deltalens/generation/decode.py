@@ -88,7 +88,7 @@ def _class_hooks(cls) -> list[str]:
 
 
 @functools.cache
-def _keeps_logits(cls) -> bool:
+def keeps_logits(cls) -> bool:
     """Whether the model class's forward takes `logits_to_keep` (as `generate` checks)."""
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
@@ -110,7 +110,7 @@ def decode_segment(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
     pad = torch.tensor(pad_token_id, device=input_ids.device)
     out = [input_ids]
-    extra = {cache_name(): cache, **({"logits_to_keep": 1} if _keeps_logits(type(model)) else {})}
+    extra = {cache_name(): cache, **({"logits_to_keep": 1} if keeps_logits(type(model)) else {})}
     buf = None
     for step in range(max_new_tokens):
         logits = model(input_ids=tokens.contiguous(), attention_mask=mask, position_ids=pos.contiguous(),

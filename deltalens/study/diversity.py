@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from deltalens.analysis import multiplicity, stats
+from deltalens.analysis.diversity.sampling import SAMPLER_VERSION
 from deltalens.io.runs import RunDir
 from deltalens.study.checks import check
 from deltalens.study.config import StudyConfig
@@ -33,7 +34,8 @@ def diversity_task(ctx: TaskContext, cfg: StudyConfig, label: str) -> dict:
     it = max(RunDir(spec).checkpoints())
     temperature = cfg.verdict_temperature
     key = m.cache.key("study-diversity", run=m.hash(spec), iteration=it, members=cfg.diversity_members,
-                      prompts=cfg.diversity_prompts, temperature=temperature, chat=cfg.chat_template)
+                      prompts=cfg.diversity_prompts, temperature=temperature, chat=cfg.chat_template,
+                      sampler=SAMPLER_VERSION)
     ctx.log(f"population diversity of {label} around iteration {it}")
     bar = []  # opened at the first report, once the population is loaded and the total known
 

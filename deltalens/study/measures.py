@@ -25,6 +25,7 @@ import json
 from pathlib import Path
 
 from deltalens.analysis.delta import diff_checkpoints
+from deltalens.analysis.diversity.sampling import SAMPLER_VERSION
 from deltalens.analysis.report import Cache, weights_hash
 from deltalens.evaluation import evaluate, evaluate_state_dict
 from deltalens.evaluation.passk import pass_at_k
@@ -178,7 +179,8 @@ class Measures:
         cfg = self.cfg
         temperature = cfg.verdict_temperature
         key = self.cache.key("study-entropy", weights=self.hash(spec), task=self.task.spec,
-                             prompts=cfg.entropy_prompts, temperature=temperature, chat=cfg.chat_template)
+                             prompts=cfg.entropy_prompts, temperature=temperature, chat=cfg.chat_template,
+                             sampler=SAMPLER_VERSION)
 
         def compute():
             model, tok = self.model(spec)

@@ -159,26 +159,63 @@ def test_the_reported_js_estimator_on_two_distributions_by_hand():
 # ----------------------------------------------------------------------------------------- sample / score
 
 
-def test_scores_match_generate_and_a_naive_loop():
-    """Batched teacher forcing (right padding, logits / T, EOS included) = generate's processed scores
-    of the same samples (left padding) = one-prefix-at-a-time forward passes."""
-    model, tok = _small_model()
+def _naive_scores(model, pids, items, temperature):
+    """log π_T(y | x) and the summed next-token entropies at T, one prefix at a time, no cache."""
+    logp, ent = [], []
+    with torch.no_grad():
+        for p, y in items:
+            lp_sum = h_sum = 0.0
+            for t in range(len(y)):
+                logits = model(input_ids=torch.tensor([pids[p] + list(y[:t])])).logits[0, -1].float()
+                lp = (logits / temperature).log_softmax(-1)
+                lp_sum += float(lp[y[t]])
+                h_sum += float(-(lp.exp() * lp).sum())
+            logp.append(lp_sum)
+            ent.append(h_sum)
+    return logp, ent
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3-sliding"])
+def test_scores_match_a_naive_loop_for_any_batching(arch):
+    """Batched teacher forcing over each prompt's KV cache (prompts of several lengths left padded in one
+    batch, responses right padded, logits / T, EOS included) = one-prefix-at-a-time forward passes, for
+    one batch or many; entropies too. Samples end at their first EOS or after max_new_tokens tokens."""
+    from support import small_gemma3, small_qwen2
+
+    model, tok = {"llama": _small_model, "qwen2": small_qwen2,
+                  "gemma3-sliding": lambda: small_gemma3(sliding=True)}[arch]()
     prompts = ["Q: 1+2=?\nA:", "Q: 12+34-5+6=?\nA:", "x"]
     pids = encode_prompts(tok, prompts)
-    out, lps = sample_responses(model, tok, pids, 2, temperature=0.7, max_new_tokens=6, seed=3, with_logprobs=True)
+    out = sample_responses(model, tok, pids, 2, temperature=0.7, max_new_tokens=6, seed=3)
     eos = tok.eos_token_id
-    items = [(p, y) for p in range(3) for y in out[p]] + [(0, (5, 7, eos)), (2, (eos,)), (1, (9,) * 6)]
-    got = sequence_logprobs(model, pids, items, 0.7, token_budget=40)["logp"]  # small budget: several batches
-    assert got[:6].tolist() == pytest.approx([x for row in lps for x in row], abs=1e-4)
-    with torch.no_grad():
-        for k, (p, y) in enumerate(items):
-            naive = 0.0
-            for t in range(len(y)):
-                logits = model(input_ids=torch.tensor([pids[p] + list(y[:t])])).logits[0, -1]
-                naive += float((logits / 0.7).log_softmax(-1)[y[t]])
-            assert got[k] == pytest.approx(naive, abs=1e-4)
+    for rows in out:
+        for y in rows:
+            assert (eos in y and y.index(eos) == len(y) - 1) or (eos not in y and len(y) == 6)
+    items = [(p, y) for p in range(3) for y in out[p]] + [(0, (5, 7, eos)), (2, (eos,)), (1, (9,) * 6), (1, ())]
+    naive, naive_ent = _naive_scores(model, pids, items, 0.7)
+    one = sequence_logprobs(model, pids, items, 0.7, entropy=True)
+    many = sequence_logprobs(model, pids, items, 0.7, entropy=True, token_budget=40)  # several batches
+    tiny = sequence_logprobs(model, pids, items, 0.7, logit_budget=1)  # one item per batch
+    for got in (one, many, tiny):
+        assert got["logp"].tolist() == pytest.approx(naive, abs=1e-4)
+    assert one["entropy"].tolist() == pytest.approx(naive_ent, abs=1e-4)
+    assert many["entropy"].tolist() == pytest.approx(naive_ent, abs=1e-4)
+    assert one["tokens"].tolist() == [len(y) for _, y in items]
+    assert got["logp"][-1] == 0.0  # an empty response: probability 1 of nothing more
     with pytest.raises(DeltalensError, match="temperature"):
         sample_responses(model, tok, pids, 1, temperature=0.0, max_new_tokens=2, seed=0)
+
+
+def test_samples_are_seeded_and_reported_as_they_come():
+    model, tok = _small_model()
+    pids = encode_prompts(tok, ["Q: 1+2=?\nA:", "Q: 3+4=?\nA:"])
+    seen = []
+    a = sample_responses(model, tok, pids, 3, temperature=0.9, max_new_tokens=5, seed=11, progress=seen.append)
+    b = sample_responses(model, tok, pids, 3, temperature=0.9, max_new_tokens=5, seed=11, batch_tokens=20)
+    c = sample_responses(model, tok, pids, 3, temperature=0.9, max_new_tokens=5, seed=12)
+    assert a == sample_responses(model, tok, pids, 3, temperature=0.9, max_new_tokens=5, seed=11)
+    assert seen[-1] == 6 and seen == sorted(seen)
+    assert a != c and [len(r) for r in b] == [3, 3]
 
 
 def test_bigram_samples_follow_the_scored_distribution():

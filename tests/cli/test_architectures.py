@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from support import run_cli, small_gemma3, small_qwen2
 
 from deltalens.schema import validate

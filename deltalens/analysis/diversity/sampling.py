@@ -5,10 +5,14 @@ distribution, EOS included; responses are cut after the first EOS or at max_new_
 without EOS is the event "these max_new_tokens tokens first", whose probability is the same product of
 conditionals), so sampling and scoring describe one distribution. T = 0 (greedy) has no JS: refused.
 
-Departure: our own sampler (`sample_responses`, HF generate, same batching and settings as
-`generation.HFBackend`) because scoring needs token ids: decoding and re-tokenising a response is not the
-identity for BPE tokenizers. Prompts are tokenised as HFBackend does, chat template setting included.
-`sequence_logprobs` scores in large padded batches sorted by length (and gives next-token entropies).
+Departure: responses come back as token ids (`HFBackend.generate_ids`), because scoring needs them:
+decoding and re-tokenising a response is not the identity for BPE tokenizers. Prompts are tokenised as
+HFBackend does, chat template setting included. Both passes run in the model's own dtype (fp32 for our
+masters; no --compute-dtype: the JS estimate compares log-probabilities of members σ apart, and a bf16
+forward's rounding would read as divergence). `sequence_logprobs` prefills each prompt once per batch and
+runs only the responses over its KV cache (prompt positions never reach the LM head); until 2026-12-07 it
+ran every (prompt + response) sequence whole and took the softmax at every position, and sampling went
+through transformers' `generate`. Measured: benchmarks/README.md ("bench_diversity_speed.py").
 """
 
 from __future__ import annotations
@@ -19,9 +23,17 @@ from collections.abc import Sequence
 import torch
 
 from deltalens.errors import DeltalensError
-from deltalens.generation.batching import left_pad, length_batches
+from deltalens.generation.batching import left_pad
+from deltalens.generation.decode import keeps_logits
+from deltalens.generation.hf import HFBackend
+from deltalens.generation.kv_cache import cache_name, new_cache
+from deltalens.generation.params import SamplingParams
 from deltalens.generation.prompts import encode_prompts as generation_encode
 from deltalens.generation.prompts import problem_prompts, uses_chat
+
+# Which sampler drew the responses, for cache keys: 1 was transformers' generate (until 2026-12-07), 2 is
+# HFBackend's decoding loop. Both sample softmax(logits / T); a seed gives different responses under each.
+SAMPLER_VERSION = 2
 
 
 def _seed(*keys) -> int:
@@ -44,55 +56,55 @@ def problem_ids(tok, problems, chat_template="auto") -> list[list[int]]:
     return encode_prompts(tok, problem_prompts(problems, uses_chat(tok, chat_template)), chat_template)
 
 
-def _cut(row: list[int], eos: int) -> tuple[int, ...]:
-    """A response as sampled: up to and including the first EOS, else all max_new_tokens tokens."""
-    return tuple(row[: row.index(eos) + 1]) if eos in row else tuple(row)
-
-
 @torch.no_grad()
 def sample_responses(model, tok, prompt_ids: list[list[int]], samples: int, *, temperature: float,
-                     max_new_tokens: int, seed: int, batch_tokens: int = 262_144, max_batch: int = 4096,
-                     with_logprobs: bool = False, progress=None):
+                     max_new_tokens: int, seed: int, batch_tokens: int | None = None, max_batch: int = 1024,
+                     progress=None):
     """out[p][m]: token ids (tuple) of sample m for prompt p, from softmax(logits / T), EOS included.
 
-    Batched like HFBackend (left padding, prompts grouped by length, KV cache); batch b is sampled after
-    torch.manual_seed(seed + b). with_logprobs: also return lp[p][m], the log-probability generate's own
-    processed scores give the sample (a cross-check of `sequence_logprobs`). progress(done): called with the
-    number of sequences sampled so far after each batch (of len(prompt_ids) x samples).
+    `generation.HFBackend.generate_ids` in the model's own dtype (fp32 for a master loaded in fp32): each
+    prompt prefilled once for its samples, our decoding loop (`generation.decode`), batch b sampled after
+    torch.manual_seed(seed + b). A response ends at its first EOS (kept) or after max_new_tokens tokens.
+    progress(done): called with the number of sequences sampled so far after each batch (of
+    len(prompt_ids) x samples).
     """
     if temperature <= 0:
         raise DeltalensError(f"diversity needs sampling (temperature > 0, got {temperature}); "
                              "greedy decoding has no distribution to compare")
-    eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    out: list[list[tuple[int, ...]]] = [[()] * samples for _ in prompt_ids]
-    lps: list[list[float]] = [[0.0] * samples for _ in prompt_ids]
-    device = next(model.parameters()).device
-    batches = length_batches([len(p) for p in prompt_ids], samples, max_new_tokens, batch_tokens, max_batch)
-    done = 0
-    for b, chunk in enumerate(batches):
-        ids, att = left_pad([prompt_ids[i] for i, _ in chunk], pad)  # (B, width), left padded
-        width = ids.shape[1]
-        torch.manual_seed(seed + b)
-        gen = model.generate(input_ids=ids.to(device), attention_mask=att.to(device),
-                             max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                             top_p=1.0, top_k=0, pad_token_id=pad, eos_token_id=eos,
-                             output_scores=with_logprobs, return_dict_in_generate=with_logprobs)
-        seqs = (gen.sequences if with_logprobs else gen)[:, width:].cpu()  # (B, new tokens)
-        if with_logprobs:
-            scores = torch.stack(gen.scores, dim=1).float().cpu()  # (B, new tokens, V): logits / T
-            tok_lp = scores.log_softmax(-1).gather(-1, seqs[..., None]).squeeze(-1)  # (B, new tokens)
-        for r, (i, m) in enumerate(chunk):
-            out[i][m] = _cut(seqs[r].tolist(), eos)
-            if with_logprobs:
-                lps[i][m] = float(tok_lp[r, : len(out[i][m])].double().sum())
-        done += len(chunk)
-        if progress is not None:
-            progress(done)
-    return (out, lps) if with_logprobs else out
+    backend = HFBackend(model, tok, batch_tokens=batch_tokens, max_batch=max_batch, compute_dtype="fp32")
+    params = SamplingParams(n=samples, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
+    done = [0]
+
+    def counted(k):
+        done[0] += k
+        progress(done[0])
+
+    ids = backend.generate_ids(prompt_ids, params, None if progress is None else counted)
+    return [[tuple(row) for row in rows] for rows in ids]
 
 
 def _vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
+
+
+def _batches(plen: list[int], rlen: list[int], order: list[int], items, vocab: int, token_budget: int,
+             logit_budget: int):
+    """Consecutive runs of `order` (items sorted by prompt, then response length) within the budgets:
+    rows x (longest prompt + longest response) tokens, rows x longest response x vocab logits."""
+    pos, n = 0, len(order)
+    while pos < n:
+        k = order[pos]
+        batch, wp, wr = [k], plen[k], rlen[k]
+        while pos + len(batch) < n:
+            k = order[pos + len(batch)]
+            p, r = max(wp, plen[k]), max(wr, rlen[k])
+            rows = len(batch) + 1
+            if rows * (p + r) > token_budget or rows * r * vocab > logit_budget:
+                break
+            batch.append(k)
+            wp, wr = p, r
+        yield batch
+        pos += len(batch)
 
 
 @torch.no_grad()
@@ -102,54 +114,69 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[
     """Teacher-forced log π_T(y | x) = Σ_t log softmax(logits_t / T)[y_t] over the response tokens
     (EOS included) of items[k] = (prompt index, response ids).
 
-    Sequences (prompt + response, right padded) are sorted by length and batched under token_budget
-    tokens and logit_budget floats of logits. Returns {"logp": (K,) float64}; with entropy also
-    "entropy" / "entropy_t1" (K,): summed next-token entropies over the response positions at T and
-    at T = 1, and "tokens" (K,) the response lengths. progress(done): items scored so far, after each batch.
+    Items are sorted by prompt, then response length, and batched under token_budget tokens (rows x
+    (prompt + response)) and logit_budget floats of logits (rows x response x vocabulary). A batch
+    prefills each of its distinct prompts once (left padded, positions from the mask, logits of the last
+    prompt token only: they score a response's first token), copies that KV cache to the prompt's rows,
+    then runs the responses (right padded) in one forward pass over the cache: prompt tokens pass the model
+    once per batch instead of once per response, and only response positions reach the LM head and the
+    softmax. Returns {"logp": (K,) float64}; with entropy also "entropy" / "entropy_t1" (K,): summed
+    next-token entropies over the response positions at T and at T = 1, and "tokens" (K,) the response
+    lengths. progress(done): items scored so far, after each batch.
     """
     n = len(items)
     vocab = _vocab_size(model)
     device = next(model.parameters()).device
-    lengths = [len(prompt_ids[p]) + len(y) for p, y in items]
-    order = sorted(range(n), key=lambda k: lengths[k])
+    plen = [len(prompt_ids[p]) for p, _ in items]
+    rlen = [len(y) for _, y in items]
+    if any(len(prompt_ids[p]) == 0 for p, _ in items):
+        raise DeltalensError("a prompt tokenises to nothing; scoring needs at least one prompt token")
+    order = sorted((k for k in range(n) if rlen[k]), key=lambda k: (items[k][0], rlen[k], k))
+    keep = {"logits_to_keep": 1} if keeps_logits(type(model)) else {}
     logp = torch.zeros(n, dtype=torch.float64)
     ent = torch.zeros(n, dtype=torch.float64)
     ent1 = torch.zeros(n, dtype=torch.float64)
-    pos = 0
-    while pos < n:
-        batch = [order[pos]]  # ascending lengths: the last one added is the longest
-        while pos + len(batch) < n:
-            width = lengths[order[pos + len(batch)]]
-            if (len(batch) + 1) * width > token_budget or (len(batch) + 1) * width * vocab > logit_budget:
-                break
-            batch.append(order[pos + len(batch)])
-        width = lengths[batch[-1]]
-        ids = torch.zeros((len(batch), width), dtype=torch.long)  # (B, W), right padded
-        att = torch.zeros((len(batch), width), dtype=torch.long)
-        resp = torch.zeros((len(batch), width - 1), dtype=torch.bool)  # position t predicts token t+1
+    done = n - len(order)  # empty responses: log-probability 0, nothing to score
+    for batch in _batches(plen, rlen, order, items, vocab, token_budget, logit_budget):
+        # 1. each distinct prompt once: its KV cache, and the logits that score the first response token
+        distinct = list(dict.fromkeys(items[k][0] for k in batch))
+        where = {p: g for g, p in enumerate(distinct)}
+        ids, att = left_pad([prompt_ids[p] for p in distinct], 0)  # (G, P), pads masked
+        pos = (att.cumsum(-1) - 1).masked_fill(att == 0, 0)
+        cache = new_cache(model.config, 0)
+        first = model(input_ids=ids.to(device), attention_mask=att.to(device), position_ids=pos.to(device),
+                      use_cache=True, **{cache_name(): cache}, **keep).logits[:, -1].float().cpu()  # (G, V)
+        group = torch.tensor([where[items[k][0]] for k in batch])  # (B,) row -> its prompt
+        cache.batch_select_indices(group.to(device))
+        # 2. the responses, right padded, continuing their prompts' cache
+        width = max(rlen[k] for k in batch)
+        resp = torch.zeros((len(batch), width), dtype=torch.long)  # (B, R)
+        ratt = torch.zeros((len(batch), width), dtype=torch.long)
         for r, k in enumerate(batch):
-            p, y = items[k]
-            a = len(prompt_ids[p])
-            ids[r, : a + len(y)] = torch.tensor(list(prompt_ids[p]) + list(y))
-            att[r, : a + len(y)] = 1
-            resp[r, a - 1: a - 1 + len(y)] = True
-        logits = model(input_ids=ids.to(device), attention_mask=att.to(device)).logits[:, :-1].float().cpu()
-        lp = (logits / temperature).log_softmax(-1)  # (B, W-1, V)
-        tok_lp = lp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, W-1)
+            resp[r, : rlen[k]] = torch.tensor(items[k][1])
+            ratt[r, : rlen[k]] = 1
+        rpos = torch.tensor([plen[k] for k in batch])[:, None] + torch.arange(width)  # (B, R)
+        logits = model(input_ids=resp.to(device), attention_mask=torch.cat([att[group], ratt], 1).to(device),
+                       position_ids=rpos.to(device), use_cache=True, **{cache_name(): cache}).logits
+        # position t of a response predicts token t + 1; the prompt's last position predicts token 0
+        logits = torch.cat([first[group][:, None], logits[:, :-1].float().cpu()], 1)  # (B, R, V)
+        del cache
+        lp = (logits / temperature).log_softmax(-1)  # (B, R, V)
+        tok_lp = lp.gather(-1, resp[..., None]).squeeze(-1)  # (B, R)
         idx = torch.tensor(batch)
-        logp[idx] = (tok_lp.double() * resp).sum(1)
+        logp[idx] = (tok_lp.double() * ratt).sum(1)
         if entropy:
-            h = -(lp.exp() * lp).sum(-1)  # (B, W-1) entropy at T
+            h = -(lp.exp() * lp).sum(-1)  # (B, R) entropy at T
             lp1 = logits.log_softmax(-1)
-            h1 = -(lp1.exp() * lp1).sum(-1)  # (B, W-1) entropy at T = 1
-            ent[idx] = (h.double() * resp).sum(1)
-            ent1[idx] = (h1.double() * resp).sum(1)
-        pos += len(batch)
+            h1 = -(lp1.exp() * lp1).sum(-1)  # (B, R) entropy at T = 1
+            ent[idx] = (h.double() * ratt).sum(1)
+            ent1[idx] = (h1.double() * ratt).sum(1)
+        done += len(batch)
         if progress is not None:
-            progress(pos)
+            progress(done)
     out = {"logp": logp}
     if entropy:
-        out.update(entropy=ent, entropy_t1=ent1, tokens=torch.tensor([len(y) for _, y in items]))
+        out.update(entropy=ent, entropy_t1=ent1, tokens=torch.tensor(rlen))
     return out
 
 

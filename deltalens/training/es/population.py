@@ -251,7 +251,7 @@ def _embedding_scale(mod: nn.Embedding) -> torch.Tensor | None | bool:
         scale = torch.as_tensor(1.0 if scale is None else scale).to(device=w.device, dtype=w.dtype)
         with torch.no_grad():
             return scale if torch.equal(mod(ids), F.embedding(ids, w, mod.padding_idx) * scale) else False
-    except Exception:  # a table that is not one (packed, quantized): not ours to batch
+    except Exception:  # noqa: BLE001 -- any error of a foreign table (packed, quantized): not ours to batch
         return False
 
 
@@ -267,7 +267,7 @@ def _linear_is_plain(mod: nn.Linear) -> bool:
             fused = bias is None or bias.dtype == x.dtype
             want = F.linear(x, w, bias) if fused else F.linear(x, w).add_(bias)
             return torch.equal(mod(x), want)
-    except Exception:  # packed or quantized weights, another signature: not ours to batch
+    except Exception:  # noqa: BLE001 -- packed or quantized weights, another signature: not ours to batch
         return False
 
 
