@@ -11,15 +11,12 @@ draws (20 seeds x vocabularies 3, 256, 785, 49,152, 151,936) differ between them
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from bench_generation import emit, module_at
 
 from deltalens.generation import sampling as now
 
@@ -34,17 +31,6 @@ def best(fn, x, reps=7) -> float:
     return round(t * 1e3, 2)
 
 
-def old_sampling():
-    src = subprocess.run(["git", "show", "3e79e43:deltalens/generation/sampling.py"], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout
-    path = Path(tempfile.mkdtemp()) / "sampling_3e79e43.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("sampling_3e79e43", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path)
@@ -57,7 +43,7 @@ def main():
         out[f"argmax_ms_{name}"] = best(lambda v: v.argmax(-1), x)
         out[f"max_indices_ms_{name}"] = best(lambda v: v.max(-1).indices, x)
         out[f"agree_{name}"] = bool((x.argmax(-1) == x.max(-1).indices).all())
-    old = old_sampling()
+    old = module_at("3e79e43", "deltalens/generation/sampling.py")
     x = torch.randn(214, 49152, generator=torch.Generator().manual_seed(1)) * 4
     out["draw_ms_3e79e43"] = best(lambda v: old.inverse_cdf_draw_(v, 0.6), x)
     out["draw_ms_now"] = best(lambda v: now.inverse_cdf_draw_(v, 0.6), x)
@@ -71,10 +57,7 @@ def main():
             b = now.inverse_cdf_draw_(s.clone(), 0.6)
             differ, total = differ + int((a != b).sum()), total + a.numel()
     out["draws_differing"], out["draws"] = differ, total
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(out, args.out)
     return 0
 
 

@@ -17,27 +17,15 @@ new pass's centre sampled) under the centre: the largest |Δ log p|. Prints JSON
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from unittest import mock
 
+from bench_generation import emit, module_at
+
 REV = "7cd2fc3"
-
-
-def old_sampling():
-    src = subprocess.run(["git", "show", f"{REV}:deltalens/analysis/diversity/sampling.py"], capture_output=True,
-                         text=True, check=True, cwd=Path(__file__).resolve().parents[1]).stdout
-    path = Path(tempfile.mkdtemp()) / f"sampling_{REV}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"sampling_{REV}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main(argv=None) -> int:
@@ -58,7 +46,7 @@ def main(argv=None) -> int:
     from deltalens.analysis.diversity import sampling as now
     from deltalens.tasks import get_task
 
-    old = old_sampling()
+    old = module_at(REV, "deltalens/analysis/diversity/sampling.py")
     task = get_task(args.task)
     problems = task.test(args.prompts)
     t0 = time.perf_counter()
@@ -99,10 +87,7 @@ def main(argv=None) -> int:
                       "mean_abs_logp": float(b.abs().mean()), "now_s": round(t_now, 2), "old_s": round(t_old, 2),
                       "prompt_tokens_mean": sum(map(len, pids)) / len(pids),
                       "response_tokens_mean": sum(len(y) for _, y in items) / len(items)}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(out, args.out)
     return 0
 
 

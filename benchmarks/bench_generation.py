@@ -240,6 +240,23 @@ def cpu_description() -> dict:
     return {"model_name": name, **{f: f in flags for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")}}
 
 
+def module_at(rev: str, path: str):
+    """The module at `path` (relative to the repository) as of commit `rev`, read with `git show` and
+    imported under its own name: an old implementation to time beside the current one in one process."""
+    import subprocess
+    import tempfile
+
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    name = f"{Path(path).stem}_{rev}"
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def emit(res: dict, out: str | None) -> None:
     """Print the result as JSON, and write it to `out` when given."""
     text = json.dumps(res, indent=2)
