@@ -40,6 +40,7 @@ from pathlib import Path
 
 from deltalens.analysis.delta import diff_checkpoints
 from deltalens.analysis.diversity import diversity_section
+from deltalens.analysis.diversity.sampling import SAMPLER_VERSION
 from deltalens.analysis.document import analysis_document, model_entry
 from deltalens.analysis.sparsify import check_points, sparsify_sweep
 from deltalens.errors import DeltalensError
@@ -465,9 +466,10 @@ class _Report:
             if lab not in self.diversity_models:
                 continue
             ref = self.refs[lab]
-            # v2: js_mean / js_se are the posterior estimator, named in "estimator" (older entries: direct)
+            # v2: js_mean / js_se are the posterior estimator, named in "estimator" (older entries: direct);
+            # sampler: which sampler drew the responses (a seed draws other responses under each)
             key = self.cache.key("diversity", v=2, model=self.hashes[lab], task=self.task.name, opts=o.diversity_opts,
-                                 seed=o.seed, chat_template=o.chat_template)
+                                 seed=o.seed, chat_template=o.chat_template, sampler=SAMPLER_VERSION)
             div[lab] = self.cache.get_or_compute(
                 key, lambda ref=ref, lab=lab: diversity_section(ref, self.task, chat_template=o.chat_template,
                                                                 config=self.archs[lab], **o.diversity_opts),

@@ -206,6 +206,45 @@ def test_scores_match_a_naive_loop_for_any_batching(arch):
         sample_responses(model, tok, pids, 1, temperature=0.0, max_new_tokens=2, seed=0)
 
 
+def test_scores_of_a_model_without_logits_to_keep_and_the_budget_that_bounds_its_prefill():
+    """A forward without `logits_to_keep` returns the prompts' logits at every position: the logit budget
+    then counts them (distinct prompts x longest prompt x vocabulary), and the scores do not change."""
+    from transformers import LlamaForCausalLM
+
+    from deltalens.analysis.diversity.sampling import _batches
+
+    class NoKeep(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None, **cache):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=use_cache, **cache)
+
+    model, tok = _small_model()
+    plain = NoKeep(model.config).eval()
+    plain.load_state_dict(model.state_dict())
+    pids = encode_prompts(tok, ["Q: 1+2=?\nA:", "Q: 12+34-5+6=?\nA:"])
+    items = [(0, (5, 7, tok.eos_token_id)), (0, (9,)), (1, (4, 4)), (1, (8, 8, 8, 8))]
+    naive, _ = _naive_scores(model, pids, items, 0.7)
+    vocab = len(tok)
+    for budget in (1 << 26, 30 * vocab):
+        assert sequence_logprobs(plain, pids, items, 0.7, logit_budget=budget)["logp"].tolist() == \
+            pytest.approx(naive, abs=1e-4)
+    plen, rlen, prompt = [len(pids[p]) for p, _ in items], [len(y) for _, y in items], [p for p, _ in items]
+    for batch in _batches(plen, rlen, prompt, list(range(4)), vocab, 65_536, 30 * vocab, prompt_logits=True):
+        distinct = len({prompt[k] for k in batch})
+        need = len(batch) * max(rlen[k] for k in batch) + distinct * max(plen[k] for k in batch)
+        assert len(batch) == 1 or need <= 30
+    assert [len(b) for b in _batches(plen, rlen, prompt, list(range(4)), vocab, 65_536, 30 * vocab, True)] != \
+        [len(b) for b in _batches(plen, rlen, prompt, list(range(4)), vocab, 65_536, 30 * vocab, False)]
+
+
+def test_scoring_only_empty_responses_still_reports_progress():
+    model, tok = _small_model()
+    pids = encode_prompts(tok, ["x", "y"])
+    seen = []
+    got = sequence_logprobs(model, pids, [(0, ()), (1, ())], 0.7, entropy=True, progress=seen.append)
+    assert seen == [2] and got["logp"].tolist() == [0.0, 0.0] and got["tokens"].tolist() == [0, 0]
+
+
 def test_samples_are_seeded_and_reported_as_they_come():
     model, tok = _small_model()
     pids = encode_prompts(tok, ["Q: 1+2=?\nA:", "Q: 3+4=?\nA:"])

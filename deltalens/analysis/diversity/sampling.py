@@ -66,7 +66,8 @@ def sample_responses(model, tok, prompt_ids: list[list[int]], samples: int, *, t
     prompt prefilled once for its samples, our decoding loop (`generation.decode`), batch b sampled after
     torch.manual_seed(seed + b). A response ends at its first EOS (kept) or after max_new_tokens tokens.
     progress(done): called with the number of sequences sampled so far after each batch (of
-    len(prompt_ids) x samples).
+    len(prompt_ids) x samples). The tokenizer needs a pad token (`io.models.load_model` sets EOS where a
+    model has none); the model's forward `logits_to_keep` where samples > 1 (`hf.prefill_prompts`).
     """
     if temperature <= 0:
         raise DeltalensError(f"diversity needs sampling (temperature > 0, got {temperature}); "
@@ -87,22 +88,26 @@ def _vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-def _batches(plen: list[int], rlen: list[int], order: list[int], items, vocab: int, token_budget: int,
-             logit_budget: int):
+def _batches(plen: list[int], rlen: list[int], prompt: list[int], order: list[int], vocab: int, token_budget: int,
+             logit_budget: int, prompt_logits: bool):
     """Consecutive runs of `order` (items sorted by prompt, then response length) within the budgets:
-    rows x (longest prompt + longest response) tokens, rows x longest response x vocab logits."""
+    rows x (longest prompt + longest response) tokens, rows x longest response x vocab logits, plus
+    distinct prompts x longest prompt x vocab where the prefill returns every position's logits
+    (`prompt_logits`: a model without `logits_to_keep`)."""
     pos, n = 0, len(order)
     while pos < n:
         k = order[pos]
-        batch, wp, wr = [k], plen[k], rlen[k]
+        batch, wp, wr, g = [k], plen[k], rlen[k], 1
         while pos + len(batch) < n:
             k = order[pos + len(batch)]
             p, r = max(wp, plen[k]), max(wr, rlen[k])
+            g2 = g + (prompt[k] != prompt[batch[-1]])
             rows = len(batch) + 1
-            if rows * (p + r) > token_budget or rows * r * vocab > logit_budget:
+            logits = rows * r + (g2 * p if prompt_logits else 0)
+            if rows * (p + r) > token_budget or logits * vocab > logit_budget:
                 break
             batch.append(k)
-            wp, wr = p, r
+            wp, wr, g = p, r, g2
         yield batch
         pos += len(batch)
 
@@ -137,7 +142,8 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[
     ent = torch.zeros(n, dtype=torch.float64)
     ent1 = torch.zeros(n, dtype=torch.float64)
     done = n - len(order)  # empty responses: log-probability 0, nothing to score
-    for batch in _batches(plen, rlen, order, items, vocab, token_budget, logit_budget):
+    prompt = [p for p, _ in items]
+    for batch in _batches(plen, rlen, prompt, order, vocab, token_budget, logit_budget, prompt_logits=not keep):
         # 1. each distinct prompt once: its KV cache, and the logits that score the first response token
         distinct = list(dict.fromkeys(items[k][0] for k in batch))
         where = {p: g for g, p in enumerate(distinct)}
@@ -174,6 +180,8 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[
         done += len(batch)
         if progress is not None:
             progress(done)
+    if not order and progress is not None:  # nothing to score: every response empty
+        progress(done)
     out = {"logp": logp}
     if entropy:
         out.update(entropy=ent, entropy_t1=ent1, tokens=torch.tensor(rlen))
