@@ -134,25 +134,25 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[
     device = next(model.parameters()).device
     plen = [len(prompt_ids[p]) for p, _ in items]
     rlen = [len(y) for _, y in items]
-    if any(len(prompt_ids[p]) == 0 for p, _ in items):
+    if 0 in plen:
         raise DeltalensError("a prompt tokenises to nothing; scoring needs at least one prompt token")
-    order = sorted((k for k in range(n) if rlen[k]), key=lambda k: (items[k][0], rlen[k], k))
+    prompt = [p for p, _ in items]
+    order = sorted((k for k in range(n) if rlen[k]), key=lambda k: (prompt[k], rlen[k], k))
     keep = {"logits_to_keep": 1} if keeps_logits(type(model)) else {}
     logp = torch.zeros(n, dtype=torch.float64)
     ent = torch.zeros(n, dtype=torch.float64)
     ent1 = torch.zeros(n, dtype=torch.float64)
     done = n - len(order)  # empty responses: log-probability 0, nothing to score
-    prompt = [p for p, _ in items]
     for batch in _batches(plen, rlen, prompt, order, vocab, token_budget, logit_budget, prompt_logits=not keep):
         # 1. each distinct prompt once: its KV cache, and the logits that score the first response token
-        distinct = list(dict.fromkeys(items[k][0] for k in batch))
+        distinct = list(dict.fromkeys(prompt[k] for k in batch))
         where = {p: g for g, p in enumerate(distinct)}
         ids, att = left_pad([prompt_ids[p] for p in distinct], 0)  # (G, P), pads masked
         pos = (att.cumsum(-1) - 1).masked_fill(att == 0, 0)
         cache = new_cache(model.config, 0)
         first = model(input_ids=ids.to(device), attention_mask=att.to(device), position_ids=pos.to(device),
                       use_cache=True, **{cache_name(): cache}, **keep).logits[:, -1].float().cpu()  # (G, V)
-        group = torch.tensor([where[items[k][0]] for k in batch])  # (B,) row -> its prompt
+        group = torch.tensor([where[prompt[k]] for k in batch])  # (B,) row -> its prompt
         cache.batch_select_indices(group.to(device))
         # 2. the responses, right padded, continuing their prompts' cache
         width = max(rlen[k] for k in batch)
