@@ -93,6 +93,18 @@ def keeps_logits(cls) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
+def last_logits_only(model) -> dict:
+    """The forward keyword that computes logits at the last position only (`logits_to_keep=1`), or
+    nothing for a model whose forward lacks it (its logits then cover every position)."""
+    return {"logits_to_keep": 1} if keeps_logits(type(model)) else {}
+
+
+def mask_positions(att: torch.Tensor) -> torch.Tensor:
+    """[rows, width] position ids of left-padded rows, from their attention mask as `generate` derives
+    them: cumsum - 1, padding at 0."""
+    return (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)
+
+
 @torch.no_grad()
 def decode_segment(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, max_new_tokens: int, *,
                    pad_token_id: int, eos_token_id: int, temperature: float = 0.0,
@@ -104,13 +116,13 @@ def decode_segment(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     rows = input_ids.shape[0]
     cached = cache.get_seq_length()
     att = attention_mask
-    pos = (att.long().cumsum(-1) - 1).masked_fill(att == 0, 0)
+    pos = mask_positions(att)
     mask = None if bool((att == 1).all()) else att
     tokens, pos = input_ids[:, cached:], pos[:, cached:]
     unfinished = torch.ones(rows, dtype=torch.long, device=input_ids.device)
     pad = torch.tensor(pad_token_id, device=input_ids.device)
     out = [input_ids]
-    extra = {cache_name(): cache, **({"logits_to_keep": 1} if keeps_logits(type(model)) else {})}
+    extra = {cache_name(): cache, **last_logits_only(model)}
     buf = None
     for step in range(max_new_tokens):
         logits = model(input_ids=tokens.contiguous(), attention_mask=mask, position_ids=pos.contiguous(),

@@ -56,7 +56,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad, length_batches, token_budget
-from deltalens.generation.decode import generate_or_decode
+from deltalens.generation.decode import generate_or_decode, last_logits_only, mask_positions
 from deltalens.generation.dtype import compute_copy, model_compute_dtype, sync_copy
 from deltalens.generation.kv_cache import cache_name, can_share, new_cache, share_prefix
 from deltalens.generation.params import SamplingParams, cut_at_stop, decode_completion
@@ -82,9 +82,8 @@ def prefill_prompts(runner, ids: torch.Tensor, att: torch.Tensor, group: torch.T
     derives them) into `cache`, then hand row r of the batch that follows prompt group[r]: read in place
     (`kv_cache.share_prefix`) where `share` and every layer allow it, else a copy. Returns whether shared.
     (`HFBackend`'s samples of a prompt; ES's members' common prompt prefix, `training.es.population`.)"""
-    pos = (att.cumsum(-1) - 1).masked_fill(att == 0, 0)
-    runner(input_ids=ids, attention_mask=att, position_ids=pos, use_cache=True, logits_to_keep=1,
-           **{cache_name(): cache})
+    runner(input_ids=ids, attention_mask=att, position_ids=mask_positions(att), use_cache=True,
+           **last_logits_only(runner), **{cache_name(): cache})
     if share and share_prefix(cache, group, att.bool()):
         return True
     cache.batch_select_indices(group)

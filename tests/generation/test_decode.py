@@ -177,3 +177,25 @@ def test_beams_in_the_generation_config_go_to_generate(monkeypatch):
     finally:
         model.generation_config.num_beams = 1
     assert beams != ours  # beam search kept, not replaced by greedy decoding
+
+
+def test_a_model_without_logits_to_keep_samples_as_one_with_it():
+    """HFBackend's prefill of a prompt's samples (`hf.prefill_prompts`) and the decoding steps leave out
+    `logits_to_keep` for a model whose forward does not take it (it raised TypeError in the prefill)."""
+    from transformers import LlamaForCausalLM
+
+    class NoKeep(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None,
+                    return_dict=None, cache=None, past_key_values=None):  # cache: transformers >= 5's name
+            kw = {cache_name(): cache if cache is not None else past_key_values}
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=use_cache, return_dict=return_dict, **kw)
+
+    model, tok = small_llama()
+    plain = NoKeep(model.config).eval()
+    plain.load_state_dict(model.state_dict())
+    assert not decode_mod.keeps_logits(NoKeep) and decode_mod.keeps_logits(type(model))
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=20, seed=4)
+    ours = HFBackend(model, tok, batch_tokens=300).generate_ids(HFBackend(model, tok).encode(PROMPTS), params)
+    be = HFBackend(plain, tok, batch_tokens=300)
+    assert be.generate_ids(be.encode(PROMPTS), params) == ours

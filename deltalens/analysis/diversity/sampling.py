@@ -24,7 +24,7 @@ import torch
 
 from deltalens.errors import DeltalensError
 from deltalens.generation.batching import left_pad
-from deltalens.generation.decode import keeps_logits
+from deltalens.generation.decode import last_logits_only, mask_positions
 from deltalens.generation.hf import HFBackend
 from deltalens.generation.kv_cache import cache_name, new_cache
 from deltalens.generation.params import SamplingParams
@@ -123,9 +123,9 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[
     (prompt + response)) and logit_budget floats of logits (rows x response x vocabulary). A batch
     prefills each of its distinct prompts once (left padded, positions from the mask, logits of the last
     prompt token only: they score a response's first token), copies that KV cache to the prompt's rows,
-    then runs the responses (right padded) in one forward pass over the cache: prompt tokens pass the model
-    once per batch instead of once per response, and only response positions reach the LM head and the
-    softmax. Returns {"logp": (K,) float64}; with entropy also "entropy" / "entropy_t1" (K,): summed
+    then runs the responses (right padded, less their last token, which predicts nothing scored) in one
+    forward pass over the cache: prompt tokens pass the model once per batch instead of once per response,
+    and only response positions reach the LM head and the softmax. Returns {"logp": (K,) float64}; with entropy also "entropy" / "entropy_t1" (K,): summed
     next-token entropies over the response positions at T and at T = 1, and "tokens" (K,) the response
     lengths. progress(done): items scored so far, after each batch.
     """
@@ -138,7 +138,7 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[
         raise DeltalensError("a prompt tokenises to nothing; scoring needs at least one prompt token")
     prompt = [p for p, _ in items]
     order = sorted((k for k in range(n) if rlen[k]), key=lambda k: (prompt[k], rlen[k], k))
-    keep = {"logits_to_keep": 1} if keeps_logits(type(model)) else {}
+    keep = last_logits_only(model)
     logp = torch.zeros(n, dtype=torch.float64)
     ent = torch.zeros(n, dtype=torch.float64)
     ent1 = torch.zeros(n, dtype=torch.float64)
@@ -148,12 +148,11 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[
         distinct = list(dict.fromkeys(prompt[k] for k in batch))
         where = {p: g for g, p in enumerate(distinct)}
         ids, att = left_pad([prompt_ids[p] for p in distinct], 0)  # (G, P), pads masked
-        pos = (att.cumsum(-1) - 1).masked_fill(att == 0, 0)
         cache = new_cache(model.config, 0)
-        first = model(input_ids=ids.to(device), attention_mask=att.to(device), position_ids=pos.to(device),
-                      use_cache=True, **{cache_name(): cache}, **keep).logits[:, -1].float().cpu()  # (G, V)
+        first = model(input_ids=ids.to(device), attention_mask=att.to(device),
+                      position_ids=mask_positions(att).to(device), use_cache=True, **{cache_name(): cache},
+                      **keep).logits[:, -1].float().cpu()  # (G, V)
         group = torch.tensor([where[prompt[k]] for k in batch])  # (B,) row -> its prompt
-        cache.batch_select_indices(group.to(device))
         # 2. the responses, right padded, continuing their prompts' cache
         width = max(rlen[k] for k in batch)
         resp = torch.zeros((len(batch), width), dtype=torch.long)  # (B, R)
@@ -161,11 +160,17 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[
         for r, k in enumerate(batch):
             resp[r, : rlen[k]] = torch.tensor(items[k][1])
             ratt[r, : rlen[k]] = 1
-        rpos = torch.tensor([plen[k] for k in batch])[:, None] + torch.arange(width)  # (B, R)
-        logits = model(input_ids=resp.to(device), attention_mask=torch.cat([att[group], ratt], 1).to(device),
-                       position_ids=rpos.to(device), use_cache=True, **{cache_name(): cache}).logits
-        # position t of a response predicts token t + 1; the prompt's last position predicts token 0
-        logits = torch.cat([first[group][:, None], logits[:, :-1].float().cpu()], 1)  # (B, R, V)
+        # the prompt's last position predicts token 0, response position t token t + 1: the last response
+        # token predicts nothing we score, so it never enters the model
+        logits = first[group][:, None]  # (B, 1, V)
+        if width > 1:
+            cache.batch_select_indices(group.to(device))
+            rpos = torch.tensor([plen[k] for k in batch])[:, None] + torch.arange(width - 1)  # (B, R - 1)
+            rest = model(input_ids=resp[:, :-1].to(device),
+                         attention_mask=torch.cat([att[group], ratt[:, :-1]], 1).to(device),
+                         position_ids=rpos.to(device), use_cache=True, **{cache_name(): cache}).logits
+            logits = torch.cat([logits, rest.float().cpu()], 1)  # (B, R, V)
+            del rest
         del cache
         lp = (logits / temperature).log_softmax(-1)  # (B, R, V)
         tok_lp = lp.gather(-1, resp[..., None]).squeeze(-1)  # (B, R)
