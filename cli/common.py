@@ -198,13 +198,15 @@ _UNITS = (("eval", "sequences"), ("validation", "sequences"))
 
 def bar_factory(bar: Progress, prefix: str = "", unit: str | None = None):
     """progress_factory(desc, total) -> progress(done, total=None): one task of `bar` per call. `unit` names
-    what is counted in plain progress lines (default: sequences for evaluations, else nothing)."""
+    what is counted in plain progress lines (default: sequences for evaluations, else nothing). total None:
+    sized by the first progress(done, total) call, whose `done` is then the work done before (a resumed
+    run's steps), which the time left is not estimated from."""
 
     def factory(desc, total):
         name = prefix + desc
         u = unit or next((v for k, v in _UNITS if name.startswith(k)), None)
         tid = bar.add_task(name, total=total, unit=u)
-        return lambda done, _total=None: bar.update(tid, completed=done)
+        return lambda done, total=None: bar.update(tid, completed=done, **({} if total is None else {"total": total}))
 
     return factory
 

@@ -155,14 +155,15 @@ def train_unless_finished(run_dir: str | Path, total: int, label: str, train: Ca
                           log: Callable[[str], None], progress_factory=None) -> None:
     """Bring a run directory to `total` iterations/steps: nothing when it is finished, a resume when it was
     started (config.json exists), else a new run. `train(resume=..., progress=...)` trains it; the
-    progress bar comes from progress_factory(description, total) (studies and sweeps share this)."""
+    progress bar comes from progress_factory(description, None) (studies and sweeps share this), sized by
+    the training's first call, which says where a resumed run starts (so its time left is this run's pace)."""
     run_dir = Path(run_dir)
     if RunDir(run_dir).finished(total):
         log(f"{label}: done")
         return
     again = (run_dir / "config.json").exists()
     log(f"{label}: {'resuming' if again else 'training'} ({total} iterations/steps)")
-    bar = progress_factory(f"train {label}", total) if progress_factory else None
+    bar = progress_factory(f"train {label}", None) if progress_factory else None
     train(resume=again, progress=(lambda done, total, row=None: bar(done, total)) if bar else None)
 
 

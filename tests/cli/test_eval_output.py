@@ -253,6 +253,24 @@ def test_training_reports_progress_lines(plain, monkeypatch):
     assert plain.lines()[3:] == ["train es-s0: 0/3 (0%), 0 s elapsed", "train es-s0: 1/3 (33%), 0 s elapsed, ~0 s left"]
 
 
+def test_a_resumed_training_estimates_time_left_from_this_runs_pace(plain, tmp_path):
+    """A study resuming a run at step 2 of 4: its bar starts at 2/4 (no 0/4 line), and after one step in
+    100 s the time left is one step at 100 s, not one at (100 s / 3 steps)."""
+    from deltalens.cli.common import bar_factory
+    from deltalens.training.launch import train_unless_finished
+
+    def train(resume, progress):
+        progress(2, 4)  # the training's first call: where it starts
+        next(iter(bar._tasks.values())).start_time -= 100  # 100 s into this run
+        progress(3, 4)
+
+    with plain("0") as bar:
+        train_unless_finished(tmp_path / "run", 4, "es-s0", train, log=lambda s: None,
+                              progress_factory=bar_factory(bar))
+    assert plain.lines() == ["train es-s0: 2/4 (50%), 0 s elapsed",
+                             "train es-s0: 3/4 (75%), 100 s elapsed, ~100 s left"]
+
+
 def test_progress_off(plain, monkeypatch):
     import deltalens.cli.common as c
 
