@@ -12,7 +12,9 @@ end in "\\r", read here as lines). Writes (default STUDY_DIR/run-times.json):
   (`RUN/STAGE`, from the rows' `stage`);
 - `evaluation_elapsed` / `entropy_elapsed` / `other_elapsed`: every progress line that reached 100%, as it
   printed its elapsed time, keyed by what it names (a list where the same name ran more than once, e.g. at
-  each temperature, in the order they ran).
+  each temperature, in the order they ran);
+- `tasks`: the lines of STUDY_DIR/costs.jsonl (what the study itself recorded per task since 2026-12-07: wall
+  seconds and the sampled peak resident memory of the process that ran it; absent for older studies).
 
 Nothing is measured here: every figure is read from the study's files and the log.
 """
@@ -76,7 +78,14 @@ def run_times(study: Path, log: Path, what: str = "") -> dict:
     for metrics in sorted((study / "runs").glob("*/metrics.jsonl")):
         for stage, steps in step_times(metrics).items():
             runs[metrics.parent.name + (f"/{stage}" if stage else "")] = summary(steps)
-    doc = {"what": what, **log_figures(log.read_text(errors="replace")), "runs": runs}
+    costs = study / "costs.jsonl"
+    tasks = []
+    for line in costs.read_text().splitlines() if costs.is_file() else []:
+        try:
+            tasks.append(json.loads(line))
+        except ValueError:  # a line torn by a killed pass
+            continue
+    doc = {"what": what, **log_figures(log.read_text(errors="replace")), "runs": runs, "tasks": tasks}
     return {k: v for k, v in doc.items() if v or k == "what"}
 
 

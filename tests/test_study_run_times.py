@@ -50,6 +50,17 @@ def test_run_times_reads_steps_stages_progress_lines_and_time_v(tmp_path):
     assert doc["evaluation_elapsed"] == {"base on arith (seed 0)": ["4.1 min", "8.1 min"]}  # in the order run
     assert doc["entropy_elapsed"] == {"base (sampled, then scored)": ["12 s"]}
     assert doc["other_elapsed"] == {"sparsify es-s0": ["2.5 min"]}  # training lines come from the metrics rows
+    assert "tasks" not in doc  # a study from before costs.jsonl
+
+
+def test_run_times_copies_the_studys_own_task_costs(tmp_path):
+    rt = _load()
+    rows = [{"task": "train:es-s0", "kind": "train", "wall_s": 60.5, "peak_rss_kb": 900},
+            {"task": "eval:es-s0:t0.6", "kind": "eval", "wall_s": 2.0, "peak_rss_kb": 1000}]
+    _rows(tmp_path / "s/runs/es-s0/metrics.jsonl", [{"iteration": 1, "timing": {"iteration_s": 1.0}}])
+    (tmp_path / "s/costs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"task": "eval:b')
+    (tmp_path / "log").write_text("")
+    assert rt.run_times(tmp_path / "s", tmp_path / "log")["tasks"] == rows  # the torn last line skipped
 
 
 def test_cli_refuses_a_directory_without_runs(tmp_path, capsys):

@@ -10,7 +10,8 @@ barrier per stage), in plan order where several are ready; Ray queues what the c
 A task's function runs on a worker as `fn(TaskContext(root, deps, log), *args, **kwargs)`, where `root` is
 the study directory *as that worker sees it* and `deps` holds the results of its dependencies, so results
 equal `LocalExecutor`'s for the same graph. Each finished task's `TaskRecord` (node id, hostname, elapsed
-seconds, attempts) is kept in `RayExecutor.records`.
+seconds, attempts, the worker's sampled peak resident memory) is kept in `RayExecutor.records` and appended to
+ROOT/costs.jsonl as LocalExecutor does (`executor.record_cost`).
 
 How files travel. Nothing assumes that a worker sees the driver's disk; one of three modes holds for the
 whole study, and the executor says which in one log line:
@@ -98,7 +99,8 @@ from typing import Any
 import deltalens
 from deltalens.errors import DeltalensError
 from deltalens.io import heap
-from deltalens.study.executor import Log, Task, TaskContext, check_graph
+from deltalens.io.usage import Usage
+from deltalens.study.executor import Log, Task, TaskContext, check_graph, record_cost, utc_now
 from deltalens.timefmt import duration
 
 try:
@@ -125,6 +127,7 @@ class TaskRecord:
     host: str           # the worker's hostname
     elapsed_s: float    # wall seconds of the task function on the worker (packing included)
     attempts: int = 1   # starts seen (2+: Ray retried it after a worker or node died)
+    peak_rss_kb: int | None = None  # the worker's resident memory while the task ran (`deltalens.io.usage`)
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -365,7 +368,8 @@ def run_remote(spec: dict, blob: Any, board) -> dict:
         watcher.start()
         try:
             ctx = TaskContext(root=root, deps=spec["deps"], log=rep.log)
-            result = spec["fn"](ctx, *spec["args"], **spec["kwargs"])
+            with Usage() as use:
+                result = spec["fn"](ctx, *spec["args"], **spec["kwargs"])
         finally:
             stop.set()
             rep.flush()
@@ -380,7 +384,7 @@ def run_remote(spec: dict, blob: Any, board) -> dict:
                 os.replace(part, path)
                 files = str(path)
         return {"result": result, "files": files, "deleted": deleted, "missing": missing, "node_id": node_id,
-                "host": host, "elapsed_s": time.perf_counter() - t0}
+                "host": host, "elapsed_s": time.perf_counter() - t0, "peak_rss_kb": use.peak_rss_kb}
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -735,6 +739,7 @@ class RayExecutor:
         waiting = list(order)
         inflight: dict[Any, tuple[Task, dict]] = {}
         self.records = {}
+        self._pass_started = utc_now()
         self._acked = 0  # the board's last event processed
         try:
             while waiting or inflight:
@@ -828,7 +833,9 @@ class RayExecutor:
                 say(f"ray: {t.key} did not write {', '.join(out['missing'])} (declared as its outputs)")
             self._clean_artefacts([spec])
         attempts = max(1, table.rows[t.key]["attempts"])
-        self.records[t.key] = TaskRecord(t.key, t.kind, out["node_id"], out["host"], out["elapsed_s"], attempts)
+        self.records[t.key] = TaskRecord(t.key, t.kind, out["node_id"], out["host"], out["elapsed_s"], attempts,
+                                         out.get("peak_rss_kb"))
+        record_cost(root, t, self._pass_started, out["elapsed_s"], out.get("peak_rss_kb"), out["host"], say)
         table.set(t.key, "done", node=f"{out['host']}/{out['node_id'][:8]}", elapsed=out["elapsed_s"])
 
     def _clean_artefacts(self, specs: Sequence[dict]) -> None:

@@ -257,6 +257,7 @@ def test_a_resumed_training_estimates_time_left_from_this_runs_pace(plain, tmp_p
     """A study resuming a run at step 2 of 4: its bar starts at 2/4 (no 0/4 line), and after one step in
     100 s the time left is one step at 100 s, not one at (100 s / 3 steps)."""
     from deltalens.cli.common import bar_factory
+
     from deltalens.training.launch import train_unless_finished
 
     def train(resume, progress):

@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from deltalens.errors import DeltalensError
-from deltalens.study.executor import LocalExecutor, Task, TaskContext
+from deltalens.study.executor import COSTS, LocalExecutor, Task, TaskContext
 from deltalens.study.ray_executor import RayExecutor, install, pack, recover
 
 # the workers cannot import this module (tests/ is not on their path): send its functions by value
@@ -104,9 +104,10 @@ def graph(extra: tuple = ()) -> list[Task]:
 
 
 def tree(root: Path) -> dict[str, bytes]:
-    """Every file under root (relative path -> bytes), the executor's hidden token left out."""
+    """Every file under root (relative path -> bytes), the executor's hidden token and the tasks' costs (times,
+    hosts) left out."""
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.name.startswith(".deltalens-ray")}
+            if p.is_file() and not p.name.startswith(".deltalens-ray") and p.name != COSTS}
 
 
 def node_ids(address: str) -> dict[str, str]:
@@ -141,6 +142,10 @@ def test_toy_graph_matches_local_on_both_nodes(ray_cluster, tmp_path, shared_fs)
     assert len({r.node_id for r in recs.values()}) == 2
     assert recs["b"].node_id != recs["a"].node_id and all(r.attempts == 1 for r in recs.values())
     assert all(r.elapsed_s >= 0 and r.host for r in recs.values())
+    assert all(r.peak_rss_kb > 0 for r in recs.values())  # the workers' resident memory, read while they ran
+    costs = [json.loads(x) for x in (ray_root / COSTS).read_text().splitlines()]
+    assert sorted(c["task"] for c in costs) == sorted(want) and {c["host"] for c in costs} == {r.host for r in recs.values()}
+    assert {c["task"]: c["peak_rss_kb"] for c in costs} == {k: r.peak_rss_kb for k, r in recs.items()}
     out = stream.getvalue()
     assert "ray: b: done on " in out and "ray: d: queued" in out and out.splitlines()[-1].startswith("ray: 5 done")
     assert not list(ray_root.glob(".ray-*")) and not (ray_root / ".deltalens-ray-token").exists()

@@ -44,8 +44,9 @@ def comparable(path) -> dict:
 
 def files(out) -> dict[str, bytes]:
     """Every file of a sweep directory, byte for byte, but those that record time or a process (sweep.json and
-    sweep.md state the seconds, metrics rows time each iteration, a run's .lock names its writer's pid)."""
-    skip = ("sweep.json", "sweep.md", "metrics.jsonl", ".lock")
+    sweep.md state the seconds, metrics rows time each iteration, a run's .lock names its writer's pid,
+    costs.jsonl each task's time and memory)."""
+    skip = ("sweep.json", "sweep.md", "metrics.jsonl", ".lock", "costs.jsonl")
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
             if p.is_file() and p.name not in skip}
 

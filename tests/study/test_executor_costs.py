@@ -1,0 +1,40 @@
+"""LocalExecutor records what each task cost in DIR/costs.jsonl, appended across passes, and says it for long
+tasks (deltalens.study.executor.record_cost)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+from deltalens.study import executor as ex
+from deltalens.study.executor import COSTS, LocalExecutor, Task
+
+MB = 1 << 20
+
+
+def hold(ctx, mb: int) -> int:
+    block = b"\x01" * (mb * MB)
+    time.sleep(0.3)  # held for 3 readings: a shorter rise can fall between two (deltalens.io.usage)
+    return len(block) // MB
+
+
+def graph() -> list[Task]:
+    return [Task("small", hold, (1,), kind="eval"), Task("large", hold, (200,), deps=("small",), kind="train")]
+
+
+def test_each_task_gets_a_line_and_a_second_pass_appends(tmp_path, monkeypatch):
+    lines = []
+    assert LocalExecutor().run(graph(), tmp_path, log=lines.append) == {"small": 1, "large": 200}
+    rows = [json.loads(x) for x in (tmp_path / COSTS).read_text().splitlines()]
+    assert [(r["task"], r["kind"]) for r in rows] == [("small", "eval"), ("large", "train")]
+    assert set(rows[0]) == {"task", "kind", "pass_started", "finished", "wall_s", "peak_rss_kb", "host"}
+    assert rows[1]["peak_rss_kb"] >= rows[0]["peak_rss_kb"] + 150 * 1024  # the 200 MB task held 200 MB
+    assert all(r["wall_s"] >= 0 and r["host"] for r in rows) and rows[0]["pass_started"] == rows[1]["pass_started"]
+    assert lines == []  # short tasks are not said in the log
+
+    monkeypatch.setattr(ex, "SAY_AFTER_S", 0.0)
+    LocalExecutor().run(graph(), tmp_path, log=lines.append)
+    assert len((tmp_path / COSTS).read_text().splitlines()) == 4  # appended, the first pass's lines kept
+    assert [re.sub(r"[\d.]+", "N", x) for x in lines] == ["small: N s, peak N GB resident",
+                                                          "large: N s, peak N GB resident"]
