@@ -54,8 +54,11 @@ def record_cost(root: Path, task: Task, pass_started: str, wall_s: float, peak_r
     """Append one task's cost to ROOT/costs.jsonl (module docstring) and, for a long task, say it."""
     row = {"task": task.key, "kind": task.kind, "pass_started": pass_started, "finished": utc_now(),
            "wall_s": round(wall_s, 2), "peak_rss_kb": peak_rss_kb, "host": host}
-    with open(Path(root) / COSTS, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    try:
+        with open(Path(root) / COSTS, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError as e:  # a record of costs never stops the study whose work it records
+        log(f"{task.key}: cannot append to {Path(root) / COSTS} ({e}); its cost is not recorded")
     if wall_s >= SAY_AFTER_S:
         peak = "" if peak_rss_kb is None else f", peak {peak_rss_kb / 1e6:.2f} GB resident"
         log(f"{task.key}: {duration(wall_s)}{peak}")

@@ -38,3 +38,10 @@ def test_each_task_gets_a_line_and_a_second_pass_appends(tmp_path, monkeypatch):
     assert len((tmp_path / COSTS).read_text().splitlines()) == 4  # appended, the first pass's lines kept
     assert [re.sub(r"[\d.]+", "N", x) for x in lines] == ["small: N s, peak N GB resident",
                                                           "large: N s, peak N GB resident"]
+
+
+def test_a_cost_that_cannot_be_written_is_said_and_the_study_goes_on(tmp_path):
+    (tmp_path / COSTS).mkdir()  # the path is taken: appending fails
+    lines = []
+    assert LocalExecutor().run(graph(), tmp_path, log=lines.append) == {"small": 1, "large": 200}
+    assert len(lines) == 2 and all(f"cannot append to {tmp_path / COSTS}" in x for x in lines)

@@ -125,9 +125,10 @@ def sequence_logprobs(model, prompt_ids: list[list[int]], items: Sequence[tuple[
     prompt token only: they score a response's first token), copies that KV cache to the prompt's rows,
     then runs the responses (right padded, less their last token, which predicts nothing scored) in one
     forward pass over the cache: prompt tokens pass the model once per batch instead of once per response,
-    and only response positions reach the LM head and the softmax. Returns {"logp": (K,) float64}; with entropy also "entropy" / "entropy_t1" (K,): summed
-    next-token entropies over the response positions at T and at T = 1, and "tokens" (K,) the response
-    lengths. progress(done): items scored so far, after each batch.
+    and only response positions reach the LM head and the softmax. Returns {"logp": (K,) float64}; with
+    entropy also "entropy" / "entropy_t1" (K,): summed next-token entropies over the response positions at
+    T and at T = 1, and "tokens" (K,) the response lengths. progress(done): items scored so far, after each
+    batch.
     """
     n = len(items)
     vocab = _vocab_size(model)
