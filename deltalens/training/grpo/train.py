@@ -13,7 +13,8 @@ interface) and makes its run look like an ES run to the rest of deltalens (`delt
                            a row {"iteration": 0, "eval": ...} before the first step, as ES writes
     out/state.json         {"method": "grpo", "iteration": k, "checkpoint": "iter-00000k", "checksum", ...}
     out/checkpoints/iter-XXXXXX/       HF format (RunDir.save), every save_every steps
-    out/checkpoints/iter-XXXXXX.trainer.pt   optimizer + LR-scheduler state of that checkpoint
+    out/checkpoints/iter-XXXXXX.trainer.pt   optimizer + LR-scheduler state of the latest checkpoint (of every
+                                             one with keep_optimizer_states; a resume reads the latest only)
     out/checkpoints/final/ (+ final.trainer.pt)   the last weights; `load_model(out)` loads them
 
 With `report_to`, each row is also mirrored to TensorBoard / W&B in the run directory
@@ -342,6 +343,14 @@ def save_trainer_state(path: Path, optimizer, scheduler, step: int) -> None:
         torch.save(obj, tmp)
 
 
+def prune_trainer_states(run, keep: str) -> list[Path]:
+    """Delete the optimizer states of every checkpoint but `keep` (the one state.json names); returns them."""
+    gone = [p for p in run.ckpt.glob("*.trainer.pt") if p != _trainer_state_path(run, keep)]
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
+
+
 def load_trainer_state(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -451,6 +460,8 @@ def _run_callback_class():
                 _save_weights(self.run, m, self.tok, name, {"method": "grpo", "iteration": step, "seed": cfg.seed,
                                                             "checksum": weights_checksum(m),
                                                             "compute_dtype": self.compute_dtype}, cfg.save_pt)
+                if not cfg.keep_optimizer_states:  # state.json now names `name`: older states are never read
+                    prune_trainer_states(self.run, keep=name)
             if self.progress:
                 self.progress(step, cfg.steps, row)
             release_freed_memory()  # a no-op while the heap is kept, unless memory runs short (`io.heap`)

@@ -161,6 +161,7 @@ def test_grpo_steps_change_weights_and_write_the_run_format(tmp_path):
     checksum = st.pop("checksum")  # of the final weights (a resume verifies it)
     assert st == {"method": "grpo", "iteration": 3, "seed": 0, "checkpoint": "final", "compute_dtype": "fp32"}
     opt = load_trainer_state(ck / "final.trainer.pt")  # weights_only load of the optimizer state
+    assert [p.name for p in ck.glob("*.trainer.pt")] == ["final.trainer.pt"]  # step 2's, never read again, pruned
     assert opt["step"] == 3 and opt["optimizer"]["state"] and opt["scheduler"]["last_epoch"] == 3
     assert not (out / ".trl").exists()
 
@@ -243,6 +244,7 @@ def test_resume_is_exact_and_refuses_trajectory_changes(tmp_path):
         train_grpo(cfg, tmp_path / "killed", progress=kill_at_3)
     st = json.loads((tmp_path / "killed" / "state.json").read_text())
     assert st["iteration"] == 2 and st["checkpoint"] == "iter-000002"
+    assert (tmp_path / "killed" / "checkpoints" / "iter-000002.trainer.pt").is_file()  # the latest: kept
 
     with pytest.raises(DeltalensError, match="learning_rate"):
         train_grpo(fast(steps=4, save_every=2, learning_rate=2e-3), tmp_path / "killed", resume=True)
@@ -254,13 +256,22 @@ def test_resume_is_exact_and_refuses_trajectory_changes(tmp_path):
     straight = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in straight]
 
-    # more steps on a constant LR schedule: allowed
+    # more steps on a constant LR schedule: allowed, from the final checkpoint's optimizer state
     train_grpo(fast(steps=5, save_every=2), tmp_path / "killed", resume=True)
     assert json.loads((tmp_path / "killed" / "state.json").read_text())["iteration"] == 5
+    assert [p.name for p in (tmp_path / "killed" / "checkpoints").glob("*.trainer.pt")] == ["final.trainer.pt"]
     with pytest.raises(DeltalensError, match="nothing to resume"):
         train_grpo(cfg, tmp_path / "nothing", resume=True)
     with pytest.raises(DeltalensError, match="already holds a run"):
         train_grpo(cfg, tmp_path / "straight")
+
+
+def test_every_optimizer_state_is_kept_when_asked(tmp_path):
+    train_grpo(fast(steps=3, save_every=1, keep_optimizer_states=True), tmp_path / "keep")
+    ck = tmp_path / "keep" / "checkpoints"
+    assert sorted(p.name for p in ck.glob("*.trainer.pt")) == ["final.trainer.pt", "iter-000001.trainer.pt",
+                                                               "iter-000002.trainer.pt"]
+    assert load_trainer_state(ck / "iter-000001.trainer.pt")["step"] == 1
 
 
 def test_resume_verifies_the_weights_checksum(tmp_path):
