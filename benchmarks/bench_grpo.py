@@ -1,20 +1,25 @@
-"""GRPO step time and peak memory by rollout dtype and micro-batch: TRL's fp32 `generate` on the policy vs
-deltalens's HF backend on a bf16 copy (`GRPOConfig.compute_dtype`), the rest of the step (log-probabilities,
-KL reference, loss, AdamW) fp32; all P·G completions in one forward/backward vs `--micro-batch` of them.
+"""GRPO step time and peak memory by rollout dtype, micro-batch and loss-pass autocast: TRL's fp32 `generate`
+on the policy vs deltalens's HF backend on a bf16 copy (`GRPOConfig.compute_dtype`); all P·G completions in
+one forward/backward vs `--micro-batch` of them; the loss pass (log-probabilities, KL reference, loss,
+backward) in fp32 or under bf16 autocast (`--autocast none,bf16`: `GRPOConfig.autocast`, the weights, their
+gradients and AdamW staying fp32).
 
     python benchmarks/bench_grpo.py --model smollm2 --preset smollm2 --steps 3 --compute-dtype fp32,bf16 \
         --out benchmarks/results/bench_grpo-smollm2-amx-DATE.json
     python benchmarks/bench_grpo.py --model smollm2 --preset smollm2 --steps 3 --compute-dtype auto \
         --micro-batch all,8 --task add:digits=1-2,terms=2,shots=2
+    python benchmarks/bench_grpo.py --model smollm2 --preset smollm2 --steps 3 --compute-dtype auto \
+        --micro-batch 8 --autocast none,bf16 --task add:digits=1-2,terms=2,shots=2
 
-Each (compute dtype, micro-batch) pair, in that order, trains a fresh run in its own child process (so
+Each (compute dtype, micro-batch, autocast) configuration, in that order, trains a fresh run in its own child process (so
 `peak_rss_kb`, the child's getrusage maximum resident set, is that run's alone; the heap setting is the
 CLI's, DELTALENS_MALLOC) of `--steps` steps from the same base weights and seed into a temporary
 directory (no held-out evaluation, no checkpoint but the final one). Per run: every step's wall time
 (`timing.iteration_s` of its metrics row), the time inside rollout generation (`_generate_single_turn`,
-timed around the call), the mean completion length TRL logged, and the rewards. The summary takes the
+timed around the call), the rest of the step (`loss_s`: step minus rollouts), the mean completion length
+TRL logged, and the rewards. The summary takes the
 median over steps 2.. (step 1 also loads the KL reference). `speedup_vs_first` is the first configuration's
-median step (and rollout) time over this one's, and this one's peak over the first's: ratios measured side by
+median step (rollout, loss pass) time over this one's, and this one's peak over the first's: ratios measured side by
 side in one invocation. Runs before 2026-12-06 put every dtype in one process (no peak per run). A child
 that fails (e.g. killed for memory) is recorded as {"failed": why}, the other configurations still run, and
 the script exits 1. `--micro-batch all` means all P·G completions at once, also for a preset with a
@@ -38,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task: str | None = None,
-        micro_batch: int | None = None, work: Path | None = None) -> dict:
+        micro_batch: int | None = None, work: Path | None = None, autocast: str = "none") -> dict:
     import deltalens.training.grpo.train as grpo
     from deltalens.training.grpo.config import GRPOConfig
 
@@ -60,6 +65,7 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task
 
     cfg = GRPOConfig.preset(preset, model=model, steps=steps, eval_every=0, save_every=0, seed=seed,
                             compute_dtype=compute_dtype, micro_batch_size=micro_batch, max_micro_batch=None,
+                            autocast=autocast,
                             **({"task": task} if task else {}))
     grpo._trainer_class = timed_class
     try:
@@ -77,11 +83,13 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task
         "compute_dtype": compute_dtype,
         "resolved": rows[0].get("compute_dtype"),
         "micro_batch": micro_batch or cfg.prompts_per_step * cfg.num_generations,
+        "autocast": autocast,
         "steps": len(rows),
         "step_s": step_s,
         "rollout_s": [round(x, 3) for x in rollout_s],
         "median_step_s": statistics.median(step_s[later]),
         "median_rollout_s": statistics.median(rollout_s[later]),
+        "median_loss_s": round(statistics.median([s - g for s, g in zip(step_s, rollout_s)][later]), 3),
         "completion_length": [r.get("completion_length") for r in rows],
         "reward_mean": [r["reward_mean"] for r in rows],
         "wall_s": round(wall, 2),
@@ -89,21 +97,23 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task
     }
 
 
-def run_child(a: argparse.Namespace, compute_dtype: str, micro: int | None) -> dict:
+def run_child(a: argparse.Namespace, compute_dtype: str, micro: int | None, autocast: str) -> dict:
     """One configuration in a fresh interpreter (its own peak memory), its result read back as JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "one.json"
         cmd = [sys.executable, __file__, "--one", str(out), "--work", tmp, "--model", a.model, "--preset", a.preset,
                "--steps", str(a.steps), "--compute-dtype", compute_dtype, "--seed", str(a.seed),
-               "--micro-batch", "all" if micro is None else str(micro), *(["--task", a.task] if a.task else [])]
+               "--micro-batch", "all" if micro is None else str(micro), "--autocast", autocast,
+               *(["--task", a.task] if a.task else [])]
         rc = subprocess.run(cmd, check=False).returncode
         if rc == 0:
             return json.loads(out.read_text())
         # e.g. killed for memory (-9): recorded, and the other configurations still run
         why = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
         label = "all" if micro is None else micro
-        print(f"bench_grpo: {compute_dtype}, micro-batch {label}: the child failed ({why})", file=sys.stderr)
-        return {"compute_dtype": compute_dtype, "micro_batch": label, "failed": why}
+        print(f"bench_grpo: {compute_dtype}, micro-batch {label}, autocast {autocast}: the child failed ({why})",
+              file=sys.stderr)
+        return {"compute_dtype": compute_dtype, "micro_batch": label, "autocast": autocast, "failed": why}
 
 
 def main() -> None:
@@ -117,6 +127,8 @@ def main() -> None:
                     "add:digits=1-2,terms=2,shots=2)")
     ap.add_argument("--micro-batch", default="all", help="comma-separated completions per forward/backward, "
                     "'all' = P·G at once (the default; the smollm2 preset's own cap, 8, is not applied)")
+    ap.add_argument("--autocast", default="none", help="comma-separated loss-pass autocast: none (fp32, the default) "
+                    "and/or bf16 (GRPOConfig.autocast)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)  # a child: one configuration
     ap.add_argument("--work", type=Path, default=None, help=argparse.SUPPRESS)  # the child's run directory's parent
@@ -132,17 +144,19 @@ def main() -> None:
     from deltalens.generation.dtype import cpu_flags
 
     if a.one is not None:
-        res = run(a.model, a.preset, a.steps, a.compute_dtype, a.seed, a.task, micros[0], a.work)
+        res = run(a.model, a.preset, a.steps, a.compute_dtype, a.seed, a.task, micros[0], a.work, a.autocast)
         res["malloc"] = malloc
         a.one.write_text(json.dumps(res))
         return
-    results = [run_child(a, d, m) for d in a.compute_dtype.split(",") for m in micros]
+    results = [run_child(a, d, m, c) for d in a.compute_dtype.split(",") for m in micros
+               for c in a.autocast.split(",")]
     first = results[0]
     for r in results:
         if "failed" in r or "failed" in first:
             continue  # no ratio against or of a configuration that did not finish
         r["speedup_vs_first"] = {"step": round(first["median_step_s"] / r["median_step_s"], 3),
                                  "rollout": round(first["median_rollout_s"] / r["median_rollout_s"], 3),
+                                 "loss": round(first["median_loss_s"] / r["median_loss_s"], 3),
                                  "peak_rss": round(r["peak_rss_kb"] / first["peak_rss_kb"], 3)}
     from deltalens.training.grpo.config import GRPOConfig
 
