@@ -126,20 +126,36 @@ def check_graph(tasks: Sequence[Task]) -> list[Task]:
     return order
 
 
+def cost_summary(costs: Sequence[dict]) -> str | None:
+    """One line on a pass's costs (rows of costs.jsonl): tasks, their summed wall time and the largest peak
+    with its task; None for no tasks."""
+    if not costs:
+        return None
+    n = len(costs)
+    text = f"this pass: {n} task{'s' * (n != 1)}, {duration(sum(c['wall_s'] for c in costs))} of task time"
+    peaks = [c for c in costs if c.get("peak_rss_kb") is not None]
+    if peaks:
+        top = max(peaks, key=lambda c: c["peak_rss_kb"])
+        text += f", peak {top['peak_rss_kb'] / 1e6:.2f} GB resident ({top['task']})"
+    return text + f" ({COSTS})"
+
+
 class LocalExecutor:
     """Runs the graph in this process, one task at a time, in dependency order (plan order where free).
     `progress_factory(description, total)`: the progress bars every task gets (TaskContext.progress)."""
 
     def __init__(self, progress_factory: Callable | None = None):
         self.progress_factory = progress_factory
+        self.costs: list[dict] = []  # this pass's costs.jsonl rows, in the order the tasks finished
 
     def run(self, tasks: Sequence[Task], root: Path, log: Log = print) -> dict[str, Any]:
         results: dict[str, Any] = {}
         started, host = utc_now(), socket.gethostname()
+        self.costs = []
         for t in check_graph(tasks):
             ctx = TaskContext(root=Path(root), deps={d: results[d] for d in t.deps}, log=log,
                               progress=self.progress_factory)
             with Usage() as use:
                 results[t.key] = t.fn(ctx, *t.args, **t.kwargs)
-            record_cost(root, t, started, use.wall_s, use.peak_rss_kb, host, log)
+            self.costs.append(record_cost(root, t, started, use.wall_s, use.peak_rss_kb, host, log))
         return results

@@ -561,6 +561,7 @@ class RayExecutor:
         self.max_retries, self.options = max_retries, dict(options or {})
         self.config_files, self.progress, self.stream = tuple(config_files), progress, stream
         self.records: dict[str, TaskRecord] = {}
+        self.costs: list[dict] = []
         self.mode: str | None = None  # shared | objects | artefacts, once run() has decided
         self._owns = False  # this executor called ray.init (and shuts it down)
         self._owns_cluster = False  # ... and that started a local cluster (address None)
@@ -739,6 +740,7 @@ class RayExecutor:
         waiting = list(order)
         inflight: dict[Any, tuple[Task, dict]] = {}
         self.records = {}
+        self.costs = []  # this pass's costs.jsonl rows, in the order the tasks finished
         self._pass_started = utc_now()
         self._acked = 0  # the board's last event processed
         try:
@@ -835,7 +837,8 @@ class RayExecutor:
         attempts = max(1, table.rows[t.key]["attempts"])
         self.records[t.key] = TaskRecord(t.key, t.kind, out["node_id"], out["host"], out["elapsed_s"], attempts,
                                          out.get("peak_rss_kb"))
-        record_cost(root, t, self._pass_started, out["elapsed_s"], out.get("peak_rss_kb"), out["host"], say)
+        self.costs.append(record_cost(root, t, self._pass_started, out["elapsed_s"], out.get("peak_rss_kb"),
+                                      out["host"], say))
         table.set(t.key, "done", node=f"{out['host']}/{out['node_id'][:8]}", elapsed=out["elapsed_s"])
 
     def _clean_artefacts(self, specs: Sequence[dict]) -> None:

@@ -56,7 +56,7 @@ from deltalens.study.claims import CLAIMS, FIRST_RUN_NOT_RUN, SEED_SPREAD, claim
 from deltalens.study.cluster import executor_for
 from deltalens.study.config import StudyConfig
 from deltalens.study.diversity import JS_ESTIMATOR, diversity_checks
-from deltalens.study.executor import Executor
+from deltalens.study.executor import Executor, cost_summary
 from deltalens.study.flops import study_flops
 from deltalens.study.measures import Measures, per_problem, read_result, uses_vllm  # noqa: F401
 from deltalens.study.plan import study_tasks, t_key
@@ -94,6 +94,9 @@ def run_study(cfg: StudyConfig, out: str | Path, *, log: Log = print, progress_f
     t0 = time.time()
     try:
         results = train_runs(study_tasks(cfg, plan), out, executor, log)
+        summary = cost_summary(getattr(executor, "costs", ()))
+        if summary:
+            log(summary)
         doc, checks = analyse(cfg, out, plan, results, seconds=lambda: round(time.time() - t0, 1))
     finally:
         measures.close_all()  # a vLLM engine is a subprocess: never left running

@@ -45,3 +45,15 @@ def test_a_cost_that_cannot_be_written_is_said_and_the_study_goes_on(tmp_path):
     lines = []
     assert LocalExecutor().run(graph(), tmp_path, log=lines.append) == {"small": 1, "large": 200}
     assert len(lines) == 2 and all(f"cannot append to {tmp_path / COSTS}" in x for x in lines)
+
+
+def test_the_pass_summary_names_its_heaviest_task():
+    from deltalens.study.executor import cost_summary
+
+    assert cost_summary([]) is None
+    rows = [{"task": "train:es-s0", "wall_s": 3000.0, "peak_rss_kb": 9_000_000},
+            {"task": "eval:es-s0:t0.6", "wall_s": 600.0, "peak_rss_kb": 9_850_000},
+            {"task": "diff", "wall_s": 0.5, "peak_rss_kb": None}]
+    assert cost_summary(rows) == ("this pass: 3 tasks, 60.0 min of task time, peak 9.85 GB resident "
+                                  "(eval:es-s0:t0.6) (costs.jsonl)")
+    assert cost_summary(rows[2:]) == "this pass: 1 task, 0 s of task time (costs.jsonl)"
