@@ -140,8 +140,11 @@ class PlainProgress(Progress):
         while not self._stop.wait(min(self.every, 1.0)):
             now = time.monotonic()
             with self._lock:
+                # a bar sized by its first update (training) says nothing before it: "0, 5 s elapsed"
+                # would be wrong for a resumed run, and the update prints its start line
                 due = [tid for tid in self._tasks if tid not in self._ended
-                       and now - self._last.get(tid, now) >= self.every]
+                       and now - self._last.get(tid, now) >= self.every
+                       and not (self._tasks[tid].total is None and tid not in self._base)]
                 for tid in due:
                     self._print(tid)
 

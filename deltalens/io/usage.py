@@ -2,7 +2,10 @@
 
 `Usage()` is a context manager. A daemon thread reads the resident set size (/proc/self/statm, second
 field, times the page size) every `every` seconds (default 0.1) while the block runs; the peak is the
-largest reading, the first taken on entry and the last on exit. A rise and fall shorter than `every` can
+largest reading, the first taken on entry (`start_rss_kb`) and the last on exit. The peak is the whole
+process's: what it held before the block (a loaded model kept open, a heap that keeps freed memory,
+deltalens.io.heap) counts, so the block's own need is at most peak - start; memory of child processes
+(a vLLM engine) and of a GPU is not counted. A rise and fall shorter than `every` can
 fall between two readings, so the peak is a lower bound of the true one (within `every` of a phase that
 lasts, exact where the memory stays up; torch releases the GIL in its kernels, so readings continue
 during a long matmul).
@@ -43,8 +46,14 @@ def rss_kb() -> int | None:
         return None
 
 
+def gib(kb: int) -> str:
+    """kB (1024 bytes, as /proc and getrusage count) as GiB with two decimals: '9.40'."""
+    return f"{kb / (1 << 20):.2f}"
+
+
 class Usage:
-    """`with Usage() as u: ...` then u.wall_s (seconds) and u.peak_rss_kb (kB, or None): module docstring."""
+    """`with Usage() as u: ...` then u.wall_s (seconds), u.start_rss_kb and u.peak_rss_kb (kB, or None):
+    module docstring."""
 
     def __init__(self, every: float = EVERY):
         if not every > 0:
@@ -52,6 +61,7 @@ class Usage:
         self.every = every
         self.wall_s: float | None = None
         self.peak_rss_kb: int | None = None
+        self.start_rss_kb: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
@@ -68,6 +78,7 @@ class Usage:
     def __enter__(self) -> Usage:  # noqa: PYI034 (typing.Self needs Python 3.11)
         self._t0 = time.perf_counter()
         self._read()
+        self.start_rss_kb = self.peak_rss_kb
         if self.peak_rss_kb is not None:  # nothing to watch where statm is missing
             self._thread = threading.Thread(target=self._watch, name="deltalens-usage", daemon=True)
             self._thread.start()

@@ -17,11 +17,13 @@ the study directory, which is why `outputs` is declared: an executor whose worke
 driver's disk brings those paths back.
 
 Each task's cost goes to DIR/costs.jsonl as it finishes (`record_cost`): one JSON line per task run by
-either executor, {"task", "kind", "pass_started", "finished", "wall_s", "peak_rss_kb", "host"}, appended
-across passes (a resumed study adds its own lines; a cache hit shows as a task of seconds). The peak is
-the resident memory of the process that ran the task, read every 0.1 s while it ran (`deltalens.io.usage`:
-a lower bound of the true peak; None where /proc is missing). A task of 10 s or more also says it in the
-log: "eval:grpo-s0:t0.6: 3.1 min, peak 9.85 GB resident".
+either executor, {"task", "kind", "pass_started", "finished", "wall_s", "start_rss_kb", "peak_rss_kb",
+"host"}, appended across passes (a resumed study adds its own lines; a cache hit shows as a task of
+seconds). The memory is the resident set of the process that ran the task, at its start and at its peak,
+read every 0.1 s while it ran (`deltalens.io.usage`: the peak a lower bound; the process's, so memory held
+from earlier tasks counts, and a vLLM engine's subprocess does not; None where /proc is missing). A task of
+10 s or more also says it in the log: "eval:grpo-s0:t0.6: 3.1 min, peak 9.17 GiB resident (8.80 at its
+start)"; the pass ends with `cost_summary`'s line.
 
 Torch-free; imports nothing above deltalens.errors (and the leaf modules deltalens.io.usage, deltalens.timefmt).
 """
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from deltalens.errors import DeltalensError
-from deltalens.io.usage import Usage
+from deltalens.io.usage import Usage, gib
 from deltalens.timefmt import duration
 
 Log = Callable[[str], None]
@@ -49,18 +51,19 @@ def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def record_cost(root: Path, task: Task, pass_started: str, wall_s: float, peak_rss_kb: int | None, host: str,
-                log: Log) -> dict:
+def record_cost(root: Path, task: Task, pass_started: str, wall_s: float, start_rss_kb: int | None,
+                peak_rss_kb: int | None, host: str, log: Log) -> dict:
     """Append one task's cost to ROOT/costs.jsonl (module docstring) and, for a long task, say it."""
     row = {"task": task.key, "kind": task.kind, "pass_started": pass_started, "finished": utc_now(),
-           "wall_s": round(wall_s, 2), "peak_rss_kb": peak_rss_kb, "host": host}
+           "wall_s": round(wall_s, 2), "start_rss_kb": start_rss_kb, "peak_rss_kb": peak_rss_kb, "host": host}
     try:
         with open(Path(root) / COSTS, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
     except OSError as e:  # a record of costs never stops the study whose work it records
         log(f"{task.key}: cannot append to {Path(root) / COSTS} ({e}); its cost is not recorded")
     if wall_s >= SAY_AFTER_S:
-        peak = "" if peak_rss_kb is None else f", peak {peak_rss_kb / 1e6:.2f} GB resident"
+        peak = "" if peak_rss_kb is None else f", peak {gib(peak_rss_kb)} GiB resident" + (
+            "" if start_rss_kb is None else f" ({gib(start_rss_kb)} at its start)")
         log(f"{task.key}: {duration(wall_s)}{peak}")
     return row
 
@@ -128,15 +131,15 @@ def check_graph(tasks: Sequence[Task]) -> list[Task]:
 
 def cost_summary(costs: Sequence[dict]) -> str | None:
     """One line on a pass's costs (rows of costs.jsonl): tasks, their summed wall time and the largest peak
-    with its task; None for no tasks."""
+    with the first task that reached it; None for no tasks."""
     if not costs:
         return None
     n = len(costs)
     text = f"this pass: {n} task{'s' * (n != 1)}, {duration(sum(c['wall_s'] for c in costs))} of task time"
     peaks = [c for c in costs if c.get("peak_rss_kb") is not None]
     if peaks:
-        top = max(peaks, key=lambda c: c["peak_rss_kb"])
-        text += f", peak {top['peak_rss_kb'] / 1e6:.2f} GB resident ({top['task']})"
+        top = max(peaks, key=lambda c: c["peak_rss_kb"])  # the first of equal peaks: where it was reached
+        text += f", peak {gib(top['peak_rss_kb'])} GiB resident, reached in {top['task']}"
     return text + f" ({COSTS})"
 
 
@@ -157,5 +160,6 @@ class LocalExecutor:
                               progress=self.progress_factory)
             with Usage() as use:
                 results[t.key] = t.fn(ctx, *t.args, **t.kwargs)
-            self.costs.append(record_cost(root, t, started, use.wall_s, use.peak_rss_kb, host, log))
+            self.costs.append(record_cost(root, t, started, use.wall_s, use.start_rss_kb, use.peak_rss_kb, host,
+                                          log))
         return results

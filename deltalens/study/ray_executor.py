@@ -384,7 +384,8 @@ def run_remote(spec: dict, blob: Any, board) -> dict:
                 os.replace(part, path)
                 files = str(path)
         return {"result": result, "files": files, "deleted": deleted, "missing": missing, "node_id": node_id,
-                "host": host, "elapsed_s": time.perf_counter() - t0, "peak_rss_kb": use.peak_rss_kb}
+                "host": host, "elapsed_s": time.perf_counter() - t0, "start_rss_kb": use.start_rss_kb,
+                "peak_rss_kb": use.peak_rss_kb}
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -837,8 +838,8 @@ class RayExecutor:
         attempts = max(1, table.rows[t.key]["attempts"])
         self.records[t.key] = TaskRecord(t.key, t.kind, out["node_id"], out["host"], out["elapsed_s"], attempts,
                                          out.get("peak_rss_kb"))
-        self.costs.append(record_cost(root, t, self._pass_started, out["elapsed_s"], out.get("peak_rss_kb"),
-                                      out["host"], say))
+        self.costs.append(record_cost(root, t, self._pass_started, out["elapsed_s"], out.get("start_rss_kb"),
+                                      out.get("peak_rss_kb"), out["host"], say))
         table.set(t.key, "done", node=f"{out['host']}/{out['node_id'][:8]}", elapsed=out["elapsed_s"])
 
     def _clean_artefacts(self, specs: Sequence[dict]) -> None:

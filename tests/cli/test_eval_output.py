@@ -254,22 +254,32 @@ def test_training_reports_progress_lines(plain, monkeypatch):
 
 
 def test_a_resumed_training_estimates_time_left_from_this_runs_pace(plain, tmp_path):
-    """A study resuming a run at step 2 of 4: its bar starts at 2/4 (no 0/4 line), and after one step in
-    100 s the time left is one step at 100 s, not one at (100 s / 3 steps)."""
+    """A study resuming a run at step 2 of 4: nothing while the model loads (not "0, 1 s elapsed"), then its
+    bar starts at 2/4, and after one step in 100 s the time left is one step at 100 s, not one at (100 s / 3
+    steps)."""
     from deltalens.cli.common import bar_factory
 
     from deltalens.training.launch import train_unless_finished
 
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")  # a started run: resumed
+    said, resumed = [], []
+
     def train(resume, progress):
+        resumed.append(resume)
+        time.sleep(0.5)  # loading the model: the heartbeat (every 0.1 s) must not report the bar yet
         progress(2, 4)  # the training's first call: where it starts
         next(iter(bar._tasks.values())).start_time -= 100  # 100 s into this run
         progress(3, 4)
 
-    with plain("0") as bar:
-        train_unless_finished(tmp_path / "run", 4, "es-s0", train, log=lambda s: None,
-                              progress_factory=bar_factory(bar))
-    assert plain.lines() == ["train es-s0: 2/4 (50%), 0 s elapsed",
-                             "train es-s0: 3/4 (75%), 100 s elapsed, ~100 s left"]
+    with plain("0.1") as bar:
+        train_unless_finished(run, 4, "es-s0", train, log=said.append, progress_factory=bar_factory(bar))
+    assert said == ["es-s0: resuming (4 iterations/steps)"] and resumed == [True]
+    lines = plain.lines()  # elapsed counts from the bar's creation, the model's load included
+    assert re.fullmatch(r"train es-s0: 2/4 \(50%\), [01] s elapsed", lines[0]), lines
+    assert re.fullmatch(r"train es-s0: 3/4 \(75%\), 10[01] s elapsed, ~10[01] s left", lines[-1]), lines
+    assert all(x.startswith(("train es-s0: 2/4", "train es-s0: 3/4")) for x in lines)
 
 
 def test_progress_off(plain, monkeypatch):

@@ -32,10 +32,19 @@ def test_the_peak_of_a_block_sees_memory_it_held_and_freed():
     assert 0.25 <= u.wall_s < 5
 
 
-def test_a_block_that_allocates_nothing_peaks_near_where_it_started():
-    with Usage() as u:
+def test_the_start_is_read_on_entry_and_memory_held_before_counts_in_the_peak():
+    held = b"\x01" * (200 * MB)  # resident before the block
+    with Usage(every=0.01) as u:
         time.sleep(0.05)
-    assert abs(u.peak_rss_kb - rss_kb()) < 50 * 1024
+    assert u.start_rss_kb >= 200 * 1024 and u.peak_rss_kb >= u.start_rss_kb
+    assert u.peak_rss_kb - u.start_rss_kb < 50 * 1024  # the block itself added little
+    del held
+
+
+def test_gib_counts_1024_byte_kilobytes():
+    from deltalens.io.usage import gib
+
+    assert gib(9_856_000) == "9.40" and gib(1 << 20) == "1.00"
 
 
 def test_the_reading_interval_is_checked():

@@ -28,16 +28,18 @@ def test_each_task_gets_a_line_and_a_second_pass_appends(tmp_path, monkeypatch):
     assert LocalExecutor().run(graph(), tmp_path, log=lines.append) == {"small": 1, "large": 200}
     rows = [json.loads(x) for x in (tmp_path / COSTS).read_text().splitlines()]
     assert [(r["task"], r["kind"]) for r in rows] == [("small", "eval"), ("large", "train")]
-    assert set(rows[0]) == {"task", "kind", "pass_started", "finished", "wall_s", "peak_rss_kb", "host"}
-    assert rows[1]["peak_rss_kb"] >= rows[0]["peak_rss_kb"] + 150 * 1024  # the 200 MB task held 200 MB
+    assert set(rows[0]) == {"task", "kind", "pass_started", "finished", "wall_s", "start_rss_kb", "peak_rss_kb",
+                            "host"}
+    assert rows[1]["peak_rss_kb"] >= rows[1]["start_rss_kb"] + 150 * 1024  # the 200 MB task held 200 MB
+    assert rows[0]["peak_rss_kb"] < rows[0]["start_rss_kb"] + 50 * 1024  # the 1 MB one did not
     assert all(r["wall_s"] >= 0 and r["host"] for r in rows) and rows[0]["pass_started"] == rows[1]["pass_started"]
     assert lines == []  # short tasks are not said in the log
 
     monkeypatch.setattr(ex, "SAY_AFTER_S", 0.0)
     LocalExecutor().run(graph(), tmp_path, log=lines.append)
     assert len((tmp_path / COSTS).read_text().splitlines()) == 4  # appended, the first pass's lines kept
-    assert [re.sub(r"[\d.]+", "N", x) for x in lines] == ["small: N s, peak N GB resident",
-                                                          "large: N s, peak N GB resident"]
+    assert [re.sub(r"[\d.]+", "N", x) for x in lines] == ["small: N s, peak N GiB resident (N at its start)",
+                                                          "large: N s, peak N GiB resident (N at its start)"]
 
 
 def test_a_cost_that_cannot_be_written_is_said_and_the_study_goes_on(tmp_path):
@@ -52,8 +54,9 @@ def test_the_pass_summary_names_its_heaviest_task():
 
     assert cost_summary([]) is None
     rows = [{"task": "train:es-s0", "wall_s": 3000.0, "peak_rss_kb": 9_000_000},
-            {"task": "eval:es-s0:t0.6", "wall_s": 600.0, "peak_rss_kb": 9_850_000},
+            {"task": "eval:es-s0:t0.6", "wall_s": 600.0, "peak_rss_kb": 9_856_000},  # 9.40 GiB
+            {"task": "eval:es-s0:t1", "wall_s": 60.0, "peak_rss_kb": 9_856_000},  # the same, kept from before
             {"task": "diff", "wall_s": 0.5, "peak_rss_kb": None}]
-    assert cost_summary(rows) == ("this pass: 3 tasks, 60.0 min of task time, peak 9.85 GB resident "
-                                  "(eval:es-s0:t0.6) (costs.jsonl)")
-    assert cost_summary(rows[2:]) == "this pass: 1 task, 0 s of task time (costs.jsonl)"
+    assert cost_summary(rows) == ("this pass: 4 tasks, 61.0 min of task time, peak 9.40 GiB resident, reached "
+                                  "in eval:es-s0:t0.6 (costs.jsonl)")
+    assert cost_summary(rows[3:]) == "this pass: 1 task, 0 s of task time (costs.jsonl)"

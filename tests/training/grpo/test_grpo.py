@@ -256,10 +256,12 @@ def test_resume_is_exact_and_refuses_trajectory_changes(tmp_path):
     straight = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in straight]
 
-    # more steps on a constant LR schedule: allowed, from the final checkpoint's optimizer state
-    train_grpo(fast(steps=5, save_every=2), tmp_path / "killed", resume=True)
-    assert json.loads((tmp_path / "killed" / "state.json").read_text())["iteration"] == 5
-    assert [p.name for p in (tmp_path / "killed" / "checkpoints").glob("*.trainer.pt")] == ["final.trainer.pt"]
+    # more steps on a constant LR schedule: allowed, from the final checkpoint's optimizer state; step 5's
+    # save then step 6's final leave the final's state only
+    train_grpo(fast(steps=6, save_every=1), tmp_path / "killed", resume=True)
+    assert json.loads((tmp_path / "killed" / "state.json").read_text())["iteration"] == 6
+    ck = tmp_path / "killed" / "checkpoints"
+    assert (ck / "iter-000005").is_dir() and [p.name for p in ck.glob("*.trainer.pt")] == ["final.trainer.pt"]
     with pytest.raises(DeltalensError, match="nothing to resume"):
         train_grpo(cfg, tmp_path / "nothing", resume=True)
     with pytest.raises(DeltalensError, match="already holds a run"):
