@@ -55,6 +55,7 @@ from deltalens.study.executor import Executor, Task, TaskContext
 from deltalens.tasks import get_task
 from deltalens.training import methods
 from deltalens.training.launch import check_start, train_unless_finished
+from deltalens.training.run import check_finished
 from deltalens.training.tracking import require
 
 NOT_SWEPT = ("model", "task", "data", "question_field", "answer_field", "seed", "init_from", "report_to")
@@ -191,6 +192,8 @@ def _task_of(cfg: Config):
 def train_task(ctx: TaskContext, method: str, run: str, config: Config, total: int, label: str) -> dict:
     """Train (or resume) the run DIR/runs/<run> with its resolved `config` unless it is finished."""
     d = _run_dir(Path(ctx.root), run)
+    if RunDir(d).finished(total):
+        check_finished(d, config)  # reused only when trained with these settings
     train_unless_finished(d, total, label, functools.partial(_method(method).train, config, d), log=ctx.log,
                           progress_factory=ctx.progress)
     return {"run": run, "dir": f"runs/{run}", "total": total}

@@ -3,7 +3,8 @@
 `train_run(ctx, cfg, label)` re-derives the run from the plan (`deltalens.study.runs.run_plan`, under the
 study directory as this worker sees it: a chain's stages point at their own directories there) and trains
 it unless finished (`deltalens.training.launch.train_unless_finished`): a new run starts, a killed one
-resumes from its last checkpoint, a finished one is left alone. Its result is small: the run's label,
+resumes from its last checkpoint, a finished one is left alone once its config.json shows it was trained
+with the planned settings (`deltalens.training.run.check_finished`; else refused in one line). Its result is small: the run's label,
 directory (relative to the study) and total iterations/steps.
 """
 
@@ -11,19 +12,27 @@ from __future__ import annotations
 
 import functools
 
+from deltalens.io.runs import RunDir
 from deltalens.methods import chain_stages
 from deltalens.study.config import StudyConfig
 from deltalens.study.executor import TaskContext
 from deltalens.study.runs import run_plan, study_budget
 from deltalens.training import methods
-from deltalens.training.chain import train_chain
+from deltalens.training.chain import check_finished_chain, train_chain
 from deltalens.training.launch import train_unless_finished
+from deltalens.training.run import check_finished
 
 
 def train_run(ctx: TaskContext, cfg: StudyConfig, label: str) -> dict:
-    """Train (or resume) the plan's run `label`; returns {"label", "dir", "total"}."""
+    """Train (or resume) the plan's run `label`; returns {"label", "dir", "total"}. A finished run is
+    reused only when it was trained with the planned settings (`training.run.check_finished`)."""
     r = next(x for x in run_plan(cfg, ctx.root) if x["label"] == label)
     stages = chain_stages(r["method"])
+    if RunDir(r["dir"]).finished(r["total"]):
+        if stages is None:
+            check_finished(r["dir"], r["configs"][r["method"]])
+        else:
+            check_finished_chain(r["dir"], list(stages), cfg.model, cfg.task, r["configs"], study_budget(cfg))
     if stages is None:
         fn = functools.partial(methods.get(r["method"]).train, r["configs"][r["method"]], r["dir"])
     else:

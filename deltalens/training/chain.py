@@ -55,6 +55,7 @@ from deltalens.presets import auto_preset
 from deltalens.tasks import get_task
 from deltalens.training.budget import parse_budget, split_budget
 from deltalens.training.methods import get as get_method
+from deltalens.training.run import check_finished
 from deltalens.training.tracking import HELP as REPORT_TO_HELP
 from deltalens.training.tracking import normalize_report_to, require
 
@@ -229,6 +230,18 @@ def stage_configs(out: Path, methods: Sequence[str], model: str, task: str, conf
             cfg = dataclasses.replace(cfg, **{m.count: m.count_for_budget(cfg, shares[i])})
         out_cfgs.append(cfg)
     return out_cfgs
+
+
+def check_finished_chain(out: Path, methods: Sequence[str], model: str, task: str, configs: dict, budget=None,
+                         fractions: Sequence[float] | None = None, task_fields: dict | None = None) -> None:
+    """`training.run.check_finished` for every stage of a finished chain that a study reuses: each stage's
+    config.json against the stage config `stage_configs` plans, its path to the stage before not compared
+    (absolute: it moves with the study directory)."""
+    cfgs = stage_configs(Path(out), methods, model, task, configs,
+                         task_fields or {"data": None, "question_field": "question", "answer_field": "answer"},
+                         budget, fractions)
+    for i, (method, d, cfg) in enumerate(zip(methods, stage_dirs(methods), cfgs)):
+        check_finished(Path(out) / d, cfg, skip=(get_method(method).start_from,) if i else ())
 
 
 def _rebuild_metrics(out: Path, stages, dirs, cfgs) -> None:

@@ -40,10 +40,29 @@ def run_config(config: Config) -> dict:
     return {**config.to_dict(in_use=True), "deltalens_version": __version__}
 
 
+def trajectory_diff(stored: Config, given: Config) -> list[str]:
+    """The fields that decide the trajectory (and the method's resume conflicts) where `given` differs."""
+    diff = [f for f in type(given).trajectory_fields() if getattr(stored, f) != getattr(given, f)]
+    return diff + [f for f in given.resume_conflicts(stored) if f not in diff]
+
+
+def check_finished(run_dir: Path, given: Config, skip: tuple[str, ...] = ()) -> None:
+    """A finished run that a study or sweep reuses as `given` instead of training it: refuse (one line) when it
+    was trained with another value of a field that decides the trajectory (a preset changed since it ran, a
+    run directory brought from elsewhere). `skip`: fields not compared (a chain stage's path to the stage
+    before it, which moves with the study directory)."""
+    run = RunDir(run_dir)
+    stored = type(given).from_dict(run.config(), source=str(run.path / "config.json"))
+    diff = [f for f in trajectory_diff(stored, given) if f not in skip]
+    if diff:
+        pairs = ", ".join(f"{f}: run has {getattr(stored, f)!r}, planned {getattr(given, f)!r}" for f in diff)
+        raise DeltalensError(f"{run_dir} is finished but was trained with other settings than planned ({pairs}); "
+                             "move it away to train it again, or use another --out")
+
+
 def check_resume(stored: Config, given: Config, run_dir: Path) -> None:
     """Refuse to resume with a different value of any field that decides the trajectory."""
-    diff = [f for f in type(given).trajectory_fields() if getattr(stored, f) != getattr(given, f)]
-    diff += [f for f in given.resume_conflicts(stored) if f not in diff]
+    diff = trajectory_diff(stored, given)
     if diff:
         pairs = ", ".join(f"{f}: run has {getattr(stored, f)!r}, given {getattr(given, f)!r}" for f in diff)
         raise DeltalensError(f"cannot resume {run_dir} with different settings ({pairs}); "
