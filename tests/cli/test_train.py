@@ -92,6 +92,7 @@ GRPO_TABLE = {
     "eval_limit": (["--eval-limit", "7"], 7),
     "save_every": (["--checkpoint-every", "5"], 5),
     "seed": (["--seed", "3"], 3),
+    "keep_optimizer_states": (["--keep-optimizer-states"], True),
     "save_pt": (["--save-pt"], True),
     "device": (["--device", "cuda"], "cuda"),
     "use_vllm": (["--use-vllm", "--device", "cuda"], True),
