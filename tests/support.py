@@ -235,3 +235,15 @@ def proc_stat(pid: int) -> list[bytes] | None:
     except OSError:
         return None
     return s[s.rindex(b")") + 2:].split()
+
+
+def resident_block(n: int):
+    """n bytes made resident through their own mmap, not malloc: a test process whose heap keeps freed memory
+    (deltalens.io.heap, set by earlier CLI tests) would reuse resident pages and never give them back. Freed
+    (unmapped) when the returned object is."""
+    import mmap
+
+    m = mmap.mmap(-1, n)
+    for off in range(0, n, 4096):
+        m[off] = 1
+    return m

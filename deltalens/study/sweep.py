@@ -192,10 +192,8 @@ def _task_of(cfg: Config):
 def train_task(ctx: TaskContext, method: str, run: str, config: Config, total: int, label: str) -> dict:
     """Train (or resume) the run DIR/runs/<run> with its resolved `config` unless it is finished."""
     d = _run_dir(Path(ctx.root), run)
-    if RunDir(d).finished(total):
-        check_finished(d, config)  # reused only when trained with these settings
     train_unless_finished(d, total, label, functools.partial(_method(method).train, config, d), log=ctx.log,
-                          progress_factory=ctx.progress)
+                          progress_factory=ctx.progress, check_finished=functools.partial(check_finished, d, config))
     return {"run": run, "dir": f"runs/{run}", "total": total}
 
 

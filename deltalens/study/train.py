@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 
-from deltalens.io.runs import RunDir
 from deltalens.methods import chain_stages
 from deltalens.study.config import StudyConfig
 from deltalens.study.executor import TaskContext
@@ -28,15 +27,14 @@ def train_run(ctx: TaskContext, cfg: StudyConfig, label: str) -> dict:
     reused only when it was trained with the planned settings (`training.run.check_finished`)."""
     r = next(x for x in run_plan(cfg, ctx.root) if x["label"] == label)
     stages = chain_stages(r["method"])
-    if RunDir(r["dir"]).finished(r["total"]):
-        if stages is None:
-            check_finished(r["dir"], r["configs"][r["method"]])
-        else:
-            check_finished_chain(r["dir"], list(stages), cfg.model, cfg.task, r["configs"], study_budget(cfg))
     if stages is None:
         fn = functools.partial(methods.get(r["method"]).train, r["configs"][r["method"]], r["dir"])
+        check = functools.partial(check_finished, r["dir"], r["configs"][r["method"]])
     else:
         fn = functools.partial(train_chain, r["dir"], list(stages), model=cfg.model, task=cfg.task,
                                budget=study_budget(cfg), configs=r["configs"])
-    train_unless_finished(r["dir"], r["total"], r["label"], fn, log=ctx.log, progress_factory=ctx.progress)
+        check = functools.partial(check_finished_chain, r["dir"], list(stages), cfg.model, cfg.task, r["configs"],
+                                  study_budget(cfg))
+    train_unless_finished(r["dir"], r["total"], r["label"], fn, log=ctx.log, progress_factory=ctx.progress,
+                          check_finished=check)
     return {"label": label, "dir": f"runs/{label}", "total": r["total"]}

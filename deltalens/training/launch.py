@@ -152,13 +152,17 @@ def _check_chain_start(config: ChainConfig, preset: str) -> None:
 
 
 def train_unless_finished(run_dir: str | Path, total: int, label: str, train: Callable[..., object], *,
-                          log: Callable[[str], None], progress_factory=None) -> None:
-    """Bring a run directory to `total` iterations/steps: nothing when it is finished, a resume when it was
-    started (config.json exists), else a new run. `train(resume=..., progress=...)` trains it; the
+                          log: Callable[[str], None], progress_factory=None,
+                          check_finished: Callable[[], None] | None = None) -> None:
+    """Bring a run directory to `total` iterations/steps: nothing when it is finished (after
+    `check_finished()`, which refuses a run trained with other settings), a resume when it was started
+    (config.json exists), else a new run. `train(resume=..., progress=...)` trains it; the
     progress bar comes from progress_factory(description, None) (studies and sweeps share this), sized by
     the training's first call, which says where a resumed run starts (so its time left is this run's pace)."""
     run_dir = Path(run_dir)
     if RunDir(run_dir).finished(total):
+        if check_finished is not None:
+            check_finished()
         log(f"{label}: done")
         return
     again = (run_dir / "config.json").exists()

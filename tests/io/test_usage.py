@@ -6,23 +6,13 @@ import sys
 import time
 
 import pytest
+from support import resident_block
 
 from deltalens.io.usage import Usage, rss_kb
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 
 MB = 1 << 20
-
-
-def _resident(n: int):
-    """n bytes made resident through their own mmap, not malloc: a test process whose heap keeps freed memory
-    (deltalens.io.heap, set by earlier CLI tests) would reuse resident pages and never give them back."""
-    import mmap
-
-    m = mmap.mmap(-1, n)
-    for off in range(0, n, 4096):
-        m[off] = 1
-    return m
 
 
 def test_rss_is_what_the_kernel_reports():
@@ -34,7 +24,7 @@ def test_rss_is_what_the_kernel_reports():
 def test_the_peak_of_a_block_sees_memory_it_held_and_freed():
     before = rss_kb()
     with Usage(every=0.01) as u:
-        block = _resident(300 * MB)  # written, so resident
+        block = resident_block(300 * MB)  # written, so resident
         time.sleep(0.2)
         del block
         time.sleep(0.05)
@@ -44,7 +34,7 @@ def test_the_peak_of_a_block_sees_memory_it_held_and_freed():
 
 
 def test_the_start_is_read_on_entry_and_memory_held_before_counts_in_the_peak():
-    held = _resident(200 * MB)  # resident before the block
+    held = resident_block(200 * MB)  # resident before the block
     with Usage(every=0.01) as u:
         time.sleep(0.05)
     assert u.start_rss_kb >= 200 * 1024 and u.peak_rss_kb >= u.start_rss_kb

@@ -7,25 +7,16 @@ import json
 import re
 import time
 
+from support import resident_block
+
 from deltalens.study import executor as ex
 from deltalens.study.executor import COSTS, LocalExecutor, Task
 
 MB = 1 << 20
 
 
-def _resident(n: int):
-    """n bytes made resident through their own mmap, not malloc: a test process whose heap keeps freed memory
-    (deltalens.io.heap, set by earlier CLI tests) would reuse resident pages and never give them back."""
-    import mmap
-
-    m = mmap.mmap(-1, n)
-    for off in range(0, n, 4096):
-        m[off] = 1
-    return m
-
-
 def hold(ctx, mb: int) -> int:
-    block = _resident(mb * MB)
+    block = resident_block(mb * MB)
     time.sleep(0.3)  # held for 3 readings: a shorter rise can fall between two (deltalens.io.usage)
     return len(block) // MB
 
