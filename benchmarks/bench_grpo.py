@@ -136,10 +136,10 @@ class Phases:
 
     `with phases(name)` labels the time inside it (nested labels: the innermost counts, so "backward",
     TRL's training_step, is what is left of it outside "score" and "loss"). Per phase: `peak_rss_kb`, the
-    highest sample in it over the run, `entry_rss_kb`, the resident size when it was entered at that peak's
-    occurrence, and `rise_kb`, the largest peak minus entry of one occurrence: the phase's own transient (`rises_kb`: every
-occurrence's, in order). Time
-    outside every label (step bookkeeping, the final save) is "other"."""
+    highest sample in it over the run; `entry_rss_kb`, the resident size when it was entered at that peak's
+    occurrence; `rise_kb`, the largest peak minus entry of one occurrence: the phase's own transient
+    (`rises_kb`: every occurrence's, in order). Time outside every label (step bookkeeping, the final save)
+    is "other"."""
 
     def __init__(self, every: float = 0.02):
         import threading
