@@ -24,7 +24,9 @@ es, grpo, and any method registered later as a stage); each stage's config class
 come from there. Each stage after the first starts from the previous stage's final checkpoint: GRPO through
 `init_from`, ES through its `model` (`Method.start_from`). With `budget`, the stages split it (equal shares
 by default, `fractions`) and each gets the most iterations/steps that fit its share. A killed chain resumes
-stage by stage: finished stages are skipped, the interrupted one resumes from its last checkpoint.
+stage by stage: finished stages are skipped, the interrupted one resumes from its last checkpoint. A stage
+names the stage before it by absolute path; a chain moved or copied before it finished resumes from its own
+earlier stages (`_follow_move`), never from the directory it was copied from.
 
 `ChainConfig` is what `deltalens train chain` and YAML files give: the chain's own fields plus each stage
 method's options under its name (`es:`, `grpo:`: option name -> value, checked against that method's config;
@@ -305,6 +307,18 @@ def train_chain(out: str | Path, methods: Sequence[str] = ("es", "grpo"), *, mod
                             resume=resume, overwrite=overwrite, progress=progress, cfgs=cfgs)
 
 
+def _follow_move(sub: Path, key: str, here: str, before: str) -> None:
+    """Point an interrupted stage's config.json at the stage `before` it in this chain directory (`here`, an
+    absolute path) when it names a directory of that name elsewhere: the chain was moved or copied since
+    the stage started. Its resume then loads (and, for GRPO, takes its KL reference from) this chain's own
+    earlier stage; the path is a field the chain owns (CHAIN_OWNED), so no setting of the user's changes."""
+    path = sub / "config.json"
+    doc = json.loads(path.read_text())
+    old = doc.get(key)
+    if isinstance(old, str) and old != here and Path(old).name == before:
+        write_json_atomic({**doc, key: here}, path)
+
+
 def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question_field, answer_field, budget,
                  fractions, configs, resume, overwrite, progress, cfgs) -> Path:
     """train_chain under the chain's writer lock; `cfgs`: a new chain's stage configs (None on resume)."""
@@ -318,6 +332,10 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
                                  "`deltalens train resume`")
         if not configs:
             cfgs = [_stage_config(s) for s in stored["stages"]]
+            # each stage starts from the stage before it in this directory (the chain may have moved)
+            cfgs = [c if i == 0 else
+                    dataclasses.replace(c, **{get_method(m).start_from: str((out / dirs[i - 1]).resolve())})
+                    for i, (m, c) in enumerate(zip(methods, cfgs))]
         else:
             cfgs = stage_configs(out, methods, stored["model"], stored["task"], configs, task_fields,
                                  stored.get("budget"), stored.get("fractions"))
@@ -345,6 +363,8 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
 
             trainer = get_method(method).train
             again = resume and (sub / "config.json").exists()
+            if again and i > 0:
+                _follow_move(sub, get_method(method).start_from, str((out / dirs[i - 1]).resolve()), dirs[i - 1])
             if again:
                 trainer(cfg, sub, resume=True, progress=stage_progress)
             else:

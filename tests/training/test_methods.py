@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -222,6 +223,36 @@ def test_a_third_method_is_a_chain_stage_and_a_chain_of_three_resumes(toy, tmp_p
     es_w, end = _weights(mixed / "es"), _weights(mixed)
     assert all(torch.allclose(end[k], es_w[k] + 1e-3, atol=1e-6) for k in es_w)
     assert RunDir(mixed).method() == "es-step" and names.chain_stages("es-step") == ("es", "step")
+
+
+def test_a_chain_copied_before_it_finished_resumes_from_its_own_earlier_stage(toy, tmp_path):
+    spec, out, copy = tiny_spec(), tmp_path / "chain", tmp_path / "copy"
+    given = {"methods": ("step", "step"), "model": spec, "step": {"steps": 2, "size": 1e-3}}
+
+    class Killed(Exception):
+        pass
+
+    def kill_in_stage_2(done, total, row):
+        if done == 3:  # the second stage's first step: its config.json written, nothing saved yet
+            raise Killed
+
+    with pytest.raises(Killed):
+        launch.start("chain", out=out, given=given, progress=kill_in_stage_2)
+    shutil.copytree(out, copy)
+    # the original's first stage changes after the copy: a resumed copy must not start from it
+    model, tok = load_model(str(out / "1-step"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    RunDir(out / "1-step").save(model, tok, "final", {"method": "step", "iteration": 2})
+    assert json.loads((copy / "2-step" / "config.json").read_text())["model"] == str((out / "1-step").resolve())
+
+    assert launch.resume_run(copy) == copy
+    assert json.loads((copy / "2-step" / "config.json").read_text())["model"] == str((copy / "1-step").resolve())
+    assert json.loads((copy / "config.json").read_text())["stages"][1]["config"]["model"] == str(
+        (copy / "1-step").resolve())
+    base, w = _weights(spec), _weights(copy)
+    assert all(torch.allclose(w[k], base[k] + 4e-3, atol=1e-6) for k in base)  # 2 stages x 2 steps, its own
 
 
 def test_a_third_method_is_sweepable(toy, tmp_path):
