@@ -68,6 +68,9 @@ def guard(fn):
     return wrapper
 
 
+SPEED_WINDOW_S = 3600.0  # the live bar's speed (so its ETA) is the pace of the updates of the last hour
+
+
 def progress_bar(transient: bool = False) -> Progress:
     """rich's live bar on a terminal, plain periodic lines elsewhere (module docstring), nothing with
     DELTALENS_PROGRESS=0. Use as a context manager; add tasks with `add_task` or `bar_factory`."""
@@ -75,9 +78,11 @@ def progress_bar(transient: bool = False) -> Progress:
     if mode == "0":
         return Progress(console=console, disable=True)
     if mode == "1" or sys.stderr.isatty():
+        # rich estimates speed from the updates of the last `speed_estimate_period` seconds (default 30): a
+        # training step of minutes (GRPO on Qwen2.5, ES on SmolLM2) would never show an ETA; an hour of updates
         return Progress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                        console=console, transient=transient)
+                        console=console, transient=transient, speed_estimate_period=SPEED_WINDOW_S)
     return PlainProgress(progress_every())
 
 

@@ -282,6 +282,24 @@ def test_a_resumed_training_estimates_time_left_from_this_runs_pace(plain, tmp_p
     assert all(x.startswith(("train es-s0: 2/4", "train es-s0: 3/4")) for x in lines)
 
 
+def test_the_live_bar_estimates_time_left_when_steps_are_minutes_apart(monkeypatch):
+    """rich's own window (30 s) drops every sample when steps are 2 min apart: no ETA for a GRPO run on
+    Qwen2.5. The live bar keeps an hour of them; a resumed run's jump to its first step is not a speed."""
+    import deltalens.cli.common as c
+
+    monkeypatch.setenv("DELTALENS_PROGRESS", "1")
+    now = [0.0]
+    bar = c.progress_bar()
+    bar.get_time = lambda: now[0]  # the clock rich reads its samples from
+    tid = bar.add_task("grpo", total=None)
+    bar.update(tid, completed=20, total=40)  # resumed at step 20
+    for step in (21, 22):
+        now[0] += 120
+        bar.update(tid, completed=step)
+    task = bar.tasks[0]
+    assert task.speed == pytest.approx(1 / 120) and task.time_remaining == 18 * 120
+
+
 def test_progress_off(plain, monkeypatch):
     import deltalens.cli.common as c
 
