@@ -80,7 +80,7 @@ def _with_configs(doc: dict, change: dict | None = None) -> dict:
     """Each run's config.json as a study records it since 2026-12-06 (a chain-like nested stage included)."""
     for r in doc["study"]["runs"]:
         r["config"] = {"method": "es", "alpha": 1e-3, "population": 32, "seed": r["seed"], "eval_every": 10,
-                       "deltalens_version": "0.1.0",
+                       "deltalens_version": "0.1.0", "gradient_checkpointing": False, "keep_optimizer_states": False,
                        "stages": [{"dir": f"runs/{r['label']}/es", "config": {"seed": r["seed"], "sigma": 1e-3,
                                                                                "model": f"runs/{r['label']}"}}]}
         if change and r["seed"] > 0:
@@ -92,7 +92,8 @@ def test_runs_trained_at_other_settings_are_refused(tmp_path):
     doc = _published()
     a = _write(tmp_path / "a", _with_configs(piece(doc, [0])))
     # seeds, logging, versions and the stages' own paths differ between sittings: the same setting
-    b = _with_configs(piece(doc, [1, 2]), {"eval_every": 0, "deltalens_version": "0.2.0"})
+    b = _with_configs(piece(doc, [1, 2]), {"eval_every": 0, "deltalens_version": "0.2.0",
+                                           "gradient_checkpointing": True, "keep_optimizer_states": True})
     r = run_cli(["study", "merge", str(a), str(_write(tmp_path / "b", b)), "--out", str(tmp_path / "m")])
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "m" / "analysis.json").read_text())["study"]["merged"]["notes"] == []
