@@ -71,22 +71,16 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task
                 finally:
                     rollout_s.append(time.perf_counter() - t)
 
-            def _generate_and_score_completions(self, *a, **k):
-                with phases("score"):
-                    return super()._generate_and_score_completions(*a, **k)
+        def labelled(method: str, phase: str):
+            def call(self, *a, **k):
+                with phases(phase):
+                    return getattr(super(Timed, self), method)(*a, **k)
+            return call
 
-            def training_step(self, *a, **k):
-                with phases("backward"):
-                    return super().training_step(*a, **k)
-
-            def compute_loss(self, *a, **k):
-                with phases("loss"):
-                    return super().compute_loss(*a, **k)
-
-            def _clip_grad_norm(self, *a, **k):
-                with phases("clip"):
-                    return super()._clip_grad_norm(*a, **k)
-
+        # TRL's training_step holds score (its first micro-batch generates) and loss: "backward" is the rest
+        for method, phase in (("_generate_and_score_completions", "score"), ("training_step", "backward"),
+                              ("compute_loss", "loss"), ("_clip_grad_norm", "clip")):
+            setattr(Timed, method, labelled(method, phase))
         return Timed
 
     cfg = GRPOConfig.preset(preset, model=model, steps=steps, eval_every=0, save_every=0, seed=seed,
