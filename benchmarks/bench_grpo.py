@@ -1,9 +1,9 @@
-"""GRPO step time and peak memory by rollout dtype, micro-batch, loss-pass autocast and activation checkpointing: TRL's fp32 `generate`
-on the policy vs deltalens's HF backend on a bf16 copy (`GRPOConfig.compute_dtype`); all P·G completions in
-one forward/backward vs `--micro-batch` of them; the loss pass (log-probabilities, KL reference, loss,
-backward) in fp32 or under bf16 autocast (`--autocast none,bf16`: `GRPOConfig.autocast`, the weights, their
-gradients and AdamW staying fp32); activations kept for backward or recomputed in it (`--checkpointing off,on`:
-`GRPOConfig.gradient_checkpointing`).
+"""GRPO step time and peak memory by rollout dtype, micro-batch, loss-pass autocast and activation
+checkpointing: TRL's fp32 `generate` on the policy vs deltalens's HF backend on a bf16 copy
+(`GRPOConfig.compute_dtype`); all P·G completions in one forward/backward vs `--micro-batch` of them; the
+loss pass (log-probabilities, KL reference, loss, backward) in fp32 or under bf16 autocast (`--autocast
+none,bf16`: `GRPOConfig.autocast`, the weights, their gradients and AdamW staying fp32); activations kept for
+backward or recomputed in it (`--checkpointing off,on`: `GRPOConfig.gradient_checkpointing`).
 
     python benchmarks/bench_grpo.py --model smollm2 --preset smollm2 --steps 3 --compute-dtype fp32,bf16 \
         --out benchmarks/results/bench_grpo-smollm2-amx-DATE.json
@@ -14,21 +14,21 @@ gradients and AdamW staying fp32); activations kept for backward or recomputed i
     DELTALENS_MALLOC=trim python benchmarks/bench_grpo.py --model qwen2.5-0.5b --preset qwen2.5 --steps 2 \
         --compute-dtype auto --micro-batch 8,4 --checkpointing off,on --task add:digits=1-2,terms=3,shots=2
 
-Each (compute dtype, micro-batch, autocast, checkpointing) configuration, in that order, trains a fresh run in its own child process (so
-`peak_rss_kb`, the child's getrusage maximum resident set, is that run's alone; the heap setting is the
-CLI's, DELTALENS_MALLOC) of `--steps` steps from the same base weights and seed into a temporary
-directory (no held-out evaluation, no checkpoint but the final one). Per run: every step's wall time
-(`timing.iteration_s` of its metrics row), the time inside rollout generation (`_generate_single_turn`,
-timed around the call), the rest of the step (`loss_s`: step minus rollouts), the mean completion length
-TRL logged, the rewards, and resident memory by phase of the step (`phases`: rollout, score = TRL's
-old/reference log-probabilities and rewards, loss = the loss pass's forward, backward, clip, optimizer;
-each phase's peak and its own rise over its entry: `Phases`). The summary takes the
-median over steps 2.. (step 1 also loads the KL reference). `speedup_vs_first` is the first configuration's
-median step (rollout, loss pass) time over this one's, and this one's peak over the first's: ratios measured side by
-side in one invocation. Runs before 2026-12-06 put every dtype in one process (no peak per run). A child
-that fails (e.g. killed for memory) is recorded as {"failed": why}, the other configurations still run, and
-the script exits 1. `--micro-batch all` means all P·G completions at once, also for a preset with a
-`max_micro_batch` cap (the smollm2 preset's 8, which `--micro-batch 8` measures).
+Each (compute dtype, micro-batch, autocast, checkpointing) configuration, in that order, trains a fresh run in
+its own child process (so `peak_rss_kb`, the child's getrusage maximum resident set, is that run's alone; the
+heap setting is the CLI's, DELTALENS_MALLOC) of `--steps` steps from the same base weights and seed into a
+temporary directory (no held-out evaluation, no checkpoint but the final one). Per run: every step's wall time
+(`timing.iteration_s` of its metrics row), the time inside rollout generation (`_generate_single_turn`, timed
+around the call), the rest of the step (`loss_s`: step minus rollouts), the mean completion length TRL
+logged, the rewards, and resident memory by phase of the step (`phases`: rollout, score = TRL's
+old/reference log-probabilities and rewards, loss = the loss pass's forward, backward, clip, optimizer; each
+phase's peak and its rise over its entry: `Phases`). The summary takes the median over steps 2.. (step 1 also
+loads the KL reference). `speedup_vs_first` is the first configuration's median step (rollout, loss pass)
+time over this one's, and this one's peak over the first's: ratios measured side by side in one invocation.
+Runs before 2026-12-06 put every dtype in one process (no peak per run). A child that fails (e.g. killed for
+memory) is recorded as {"failed": why}, the other configurations still run, and the script exits 1.
+`--micro-batch all` means all P·G completions at once, also for a preset with a `max_micro_batch` cap (the
+smollm2 preset's 8, which `--micro-batch 8` measures).
 """
 
 from __future__ import annotations
@@ -57,8 +57,6 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task
 
     make = grpo._trainer_class
     rollout_s: list[float] = []
-    phases = Phases()
-
     def timed_class():
         base = make()
 
@@ -84,10 +82,13 @@ def run(model: str, preset: str, steps: int, compute_dtype: str, seed: int, task
         return Timed
 
     cfg = GRPOConfig.preset(preset, model=model, steps=steps, eval_every=0, save_every=0, seed=seed,
-                            compute_dtype=compute_dtype, autocast=autocast, gradient_checkpointing=checkpointing,
+                            compute_dtype=compute_dtype, autocast=autocast,
+                            gradient_checkpointing=checkpointing,
                             # all at once: also past a preset's max_micro_batch cap
-                            **({"max_micro_batch": None} if micro_batch is None else {"micro_batch_size": micro_batch}),
+                            **({"max_micro_batch": None} if micro_batch is None
+                               else {"micro_batch_size": micro_batch}),
                             **({"task": task} if task else {}))
+    phases = Phases()
     grpo._trainer_class = timed_class
     hooks = (register_optimizer_step_pre_hook(lambda *_: phases.enter("optimizer")),
              register_optimizer_step_post_hook(lambda *_: phases.leave()))
@@ -131,9 +132,10 @@ class Phases:
     `with phases(name)` labels the time inside it (nested labels: the innermost counts, so "backward",
     TRL's training_step, is what is left of it outside "score" and "loss"). Per phase: `peak_rss_kb`, the
     highest sample in it over the run; `entry_rss_kb`, the resident size when it was entered at that peak's
-    occurrence; `rise_kb`, the largest peak minus entry of one occurrence: the phase's own transient
-    (`rises_kb`: every occurrence's, in order). Time outside every label (step bookkeeping, the final save)
-    is "other"."""
+    occurrence; `rise_kb`, the largest peak minus entry of one occurrence (`rises_kb`: every occurrence's, in
+    order): an innermost phase's own transient, while an outer phase's rise also holds what its inner phases
+    left resident (the first micro-batch's "backward" holds that step's "score": the reference paged in, the
+    bf16 copy). Time outside every label (step bookkeeping, the final save) is "other"."""
 
     def __init__(self, every: float = 0.02):
         import threading
@@ -144,6 +146,7 @@ class Phases:
         self.every = every
         self.stack: list[tuple[str, int, list[int]]] = []  # (name, entry RSS, [peak in this occurrence])
         self.out: dict[str, dict] = {}
+        self._lock = threading.Lock()  # the stack and `out` are changed by the caller and read by the sampler
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
@@ -151,11 +154,12 @@ class Phases:
     def _watch(self) -> None:
         while not self._stop.wait(self.every):
             now = self.rss() or 0
-            if self.stack:
-                top = self.stack[-1][2]
-                top[0] = max(top[0], now)
-            else:
-                self._record("other", now, now)
+            with self._lock:
+                if self.stack:
+                    top = self.stack[-1][2]
+                    top[0] = max(top[0], now)
+                else:
+                    self._record("other", now, now)
 
     def _record(self, name: str, entry: int, peak: int) -> None:
         row = self.out.setdefault(name, {"peak_rss_kb": 0, "entry_rss_kb": 0, "rise_kb": 0, "occurrences": 0,
@@ -169,14 +173,16 @@ class Phases:
 
     def enter(self, name: str) -> None:
         now = self.rss() or 0
-        if self.stack:  # the outer phase's peak so far, before the inner one takes over
-            self.stack[-1][2][0] = max(self.stack[-1][2][0], now)
-        self.stack.append((name, now, [now]))
+        with self._lock:
+            if self.stack:  # the outer phase's peak so far, before the inner one takes over
+                self.stack[-1][2][0] = max(self.stack[-1][2][0], now)
+            self.stack.append((name, now, [now]))
 
     def leave(self) -> None:
-        name, entry, peak = self.stack.pop()
         now = self.rss() or 0
-        self._record(name, entry, max(peak[0], now))
+        with self._lock:
+            name, entry, peak = self.stack.pop()
+            self._record(name, entry, max(peak[0], now))
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -209,8 +215,8 @@ def run_child(a: argparse.Namespace, compute_dtype: str, micro: int | None, auto
         # e.g. killed for memory (-9): recorded, and the other configurations still run
         why = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
         label = "all" if micro is None else micro
-        print(f"bench_grpo: {compute_dtype}, micro-batch {label}, autocast {autocast}, checkpointing {ckpt}: the "
-              f"child failed ({why})", file=sys.stderr)
+        print(f"bench_grpo: {compute_dtype}, micro-batch {label}, autocast {autocast}, checkpointing {ckpt}: "
+              f"the child failed ({why})", file=sys.stderr)
         return {"compute_dtype": compute_dtype, "micro_batch": label, "autocast": autocast,
                 "checkpointing": ckpt == "on", "failed": why}
 
@@ -228,8 +234,9 @@ def main() -> None:
                     "'all' = P·G at once (the default; the smollm2 preset's own cap, 8, is not applied)")
     ap.add_argument("--autocast", default="none", help="comma-separated loss-pass autocast: none (fp32, the default) "
                     "and/or bf16 (GRPOConfig.autocast)")
-    ap.add_argument("--checkpointing", default="off", help="comma-separated: off (activations kept for backward, the "
-                    "default) and/or on (recomputed in backward: GRPOConfig.gradient_checkpointing)")
+    ap.add_argument("--checkpointing", default="off", help="comma-separated: off (activations kept for "
+                    "backward, the default) and/or on (recomputed in backward: "
+                    "GRPOConfig.gradient_checkpointing)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)  # a child: one configuration
     ap.add_argument("--work", type=Path, default=None, help=argparse.SUPPRESS)  # the child's run directory's parent

@@ -78,8 +78,8 @@ def progress_bar(transient: bool = False) -> Progress:
     if mode == "0":
         return Progress(console=console, disable=True)
     if mode == "1" or sys.stderr.isatty():
-        # rich estimates speed from the updates of the last `speed_estimate_period` seconds (default 30): a
-        # training step of minutes (GRPO on Qwen2.5, ES on SmolLM2) would never show an ETA; an hour of updates
+        # rich estimates speed from the updates of the last `speed_estimate_period` seconds (default 30):
+        # a training step of minutes (GRPO on Qwen2.5, ES on SmolLM2) would never show an ETA
         return Progress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                         console=console, transient=transient, speed_estimate_period=SPEED_WINDOW_S)

@@ -6,7 +6,7 @@ import importlib.util
 import time
 from pathlib import Path
 
-from tests.support import resident_block
+from support import resident_block
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 MB = 1 << 20

@@ -312,11 +312,11 @@ def _follow_move(sub: Path, key: str, here: str, before: str) -> None:
     absolute path) when it names a directory of that name elsewhere: the chain was moved or copied since
     the stage started. Its resume then loads (and, for GRPO, takes its KL reference from) this chain's own
     earlier stage; the path is a field the chain owns (CHAIN_OWNED), so no setting of the user's changes."""
-    path = sub / "config.json"
-    doc = json.loads(path.read_text())
+    run = RunDir(sub)
+    doc = run.config()  # one-line errors for a missing, corrupt or non-object config.json
     old = doc.get(key)
     if isinstance(old, str) and old != here and Path(old).name == before:
-        write_json_atomic({**doc, key: here}, path)
+        run.write_config({**doc, key: here})
 
 
 def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question_field, answer_field, budget,
@@ -364,7 +364,8 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
             trainer = get_method(method).train
             again = resume and (sub / "config.json").exists()
             if again and i > 0:
-                _follow_move(sub, get_method(method).start_from, str((out / dirs[i - 1]).resolve()), dirs[i - 1])
+                here = str((out / dirs[i - 1]).resolve())
+                _follow_move(sub, get_method(method).start_from, here, dirs[i - 1])
             if again:
                 trainer(cfg, sub, resume=True, progress=stage_progress)
             else:

@@ -80,7 +80,8 @@ def _with_configs(doc: dict, change: dict | None = None) -> dict:
     """Each run's config.json as a study records it since 2026-12-06 (a chain-like nested stage included)."""
     for r in doc["study"]["runs"]:
         r["config"] = {"method": "es", "alpha": 1e-3, "population": 32, "seed": r["seed"], "eval_every": 10,
-                       "deltalens_version": "0.1.0", "gradient_checkpointing": False, "keep_optimizer_states": False,
+                       "deltalens_version": "0.1.0", "gradient_checkpointing": False,
+                       "keep_optimizer_states": False,
                        "stages": [{"dir": f"runs/{r['label']}/es", "config": {"seed": r["seed"], "sigma": 1e-3,
                                                                                "model": f"runs/{r['label']}"}}]}
         if change and r["seed"] > 0:

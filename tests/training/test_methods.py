@@ -245,10 +245,11 @@ def test_a_chain_copied_before_it_finished_resumes_from_its_own_earlier_stage(to
         for p in model.parameters():
             p.add_(1.0)
     RunDir(out / "1-step").save(model, tok, "final", {"method": "step", "iteration": 2})
-    assert json.loads((copy / "2-step" / "config.json").read_text())["model"] == str((out / "1-step").resolve())
+    stage_2 = copy / "2-step" / "config.json"
+    assert json.loads(stage_2.read_text())["model"] == str((out / "1-step").resolve())
 
     assert launch.resume_run(copy) == copy
-    assert json.loads((copy / "2-step" / "config.json").read_text())["model"] == str((copy / "1-step").resolve())
+    assert json.loads(stage_2.read_text())["model"] == str((copy / "1-step").resolve())
     assert json.loads((copy / "config.json").read_text())["stages"][1]["config"]["model"] == str(
         (copy / "1-step").resolve())
     base, w = _weights(spec), _weights(copy)

@@ -90,8 +90,8 @@ class GRPOConfig(Config):
                                 "refreshed every step; the loss, gradients and update stay fp32), auto (bf16 where bf16 "
                                 "matmuls are fast, a CPU with AMX-BF16 or AVX512-BF16 or a bf16 GPU, for hidden size "
                                 ">= 512; else fp32)", trajectory=True)
-    gradient_checkpointing: bool = option(False, "recompute activations in backward (saves memory, costs time; "
-                                          "TRL default: on; the qwen2.5 preset: on)")
+    gradient_checkpointing: bool = option(False, "recompute activations in backward (saves memory, costs "
+                                          "time; TRL default: on; the qwen2.5 preset: on)")
     chat_template: str | bool = option("auto", "prompts through the tokenizer's chat template: auto (when it has "
                                        "one), on, off", trajectory=True)
     steps: int | None = option(None, f"optimizer steps, total also on resume (default {DEFAULT_STEPS}, or from "
@@ -121,9 +121,10 @@ class GRPOConfig(Config):
         # Qwen2.5-Coder-0.5B-Instruct (`qwen2.5-0.5b`): `smollm2`'s with lr scaled to Qwen's ~10x smaller weights
         # (AdamW moves each weight by ~lr, so the same lr is a ~10x larger relative step): 1e-6, the paper's. At
         # smollm2's 1e-5 one step took KL to 0.31 and training accuracy from 0.22 to 0; at 1e-6, 5 steps raised
-        # greedy validation Pass@1 0.45 -> 0.65 (docs/tuning.md, "GRPO on Qwen2.5-Coder-0.5B-Instruct"). Activations
-        # recomputed in backward (since 2026-12-07): peak RSS 17.3 GB against 20.9 GB for a step ~7% slower, the same
-        # rewards (benchmarks/README.md, "bench_grpo.py"); the study's GRPO had peaked at 23.5 GB and been OOM-killed
+        # greedy validation Pass@1 0.45 -> 0.65 (docs/tuning.md, "GRPO on Qwen2.5-Coder-0.5B-Instruct").
+        # Activations recomputed in backward (since 2026-12-07): a step's peak RSS 17.3 GB against 20.9 GB,
+        # its loss pass ~7% slower, the same rewards (docs/tuning.md, "GRPO memory on Qwen2.5-Coder-0.5B-
+        # Instruct"); without it the study's GRPO peaked at 23.5 GB and one sitting was OOM-killed at 24.3 GB
         "qwen2.5": {**SMOLLM2_PRESET, "learning_rate": 1e-6, "gradient_checkpointing": True},
         # for the bundled tiny model; chosen on test problems (no validation split then), re-checked on validation
         # with `deltalens sweep` (2026-12-01: best of lr 2e-5, 5e-5, 1e-4): docs/tuning.md

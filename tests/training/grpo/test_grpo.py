@@ -187,6 +187,22 @@ def test_micro_batches_take_the_same_step(tmp_path):
     assert norm > 1e-3 and gap < 1e-4 * norm, (norm, gap)  # measured: gap 4.6e-6 of norm 0.87
 
 
+def test_recomputing_activations_takes_the_same_steps(tmp_path):
+    """--gradient-checkpointing (the qwen2.5 preset's since 2026-12-07) recomputes the forward pass in backward:
+    memory only. Two steps each way from the same weights and seed: the same completions and rewards at step 2
+    (drawn from the weights step 1 wrote) and the same final weights, to the bit on one machine (no assertion
+    looser than needed; were recomputation to round differently, this says so). Not a trajectory setting."""
+    runs = {on: train_grpo(fast(steps=2, save_every=0, gradient_checkpointing=on), tmp_path / f"c{int(on)}")
+            for on in (False, True)}
+    rows = {on: [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] for on, out in runs.items()}
+    assert [(r["reward_mean"], r["completion_length"]) for r in rows[False]] == [
+        (r["reward_mean"], r["completion_length"]) for r in rows[True]]
+    w_off, w_on, base = _weights(runs[False]), _weights(runs[True]), _weights(tiny_spec())
+    assert any(not torch.equal(w_off[k], base[k]) for k in base)  # the steps moved the weights
+    assert all(torch.equal(w_off[k], w_on[k]) for k in base)
+    assert json.loads((runs[True] / "config.json").read_text())["gradient_checkpointing"] is True
+
+
 def test_the_micro_batch_cap_takes_the_largest_divisor():
     """max_micro_batch (the smollm2/qwen2.5 presets' 8) never makes a valid P x G invalid: it takes the largest
     divisor of P·G / processes not above it; --micro-batch wins (both given explicitly is refused); bnpo, whose
