@@ -363,9 +363,9 @@ def _train_chain(run: RunDir, methods: list[str], *, model, task, data, question
 
             trainer = get_method(method).train
             again = resume and (sub / "config.json").exists()
-            if again and i > 0:
-                here = str((out / dirs[i - 1]).resolve())
-                _follow_move(sub, get_method(method).start_from, here, dirs[i - 1])
+            if again and i > 0:  # cfg names this directory's stage before it (stored or planned configs)
+                key = get_method(method).start_from
+                _follow_move(sub, key, getattr(cfg, key), dirs[i - 1])
             if again:
                 trainer(cfg, sub, resume=True, progress=stage_progress)
             else:
