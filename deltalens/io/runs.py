@@ -10,6 +10,7 @@ layout is known.
         iter-000010/       HF-format directory (model.safetensors + config.json + tokenizer files)
         final/             the last weights, written when the run finishes
         iter-000010.pt     optional plain state dict (--save-pt)
+                           (--no-keep-checkpoints: only the checkpoint state.json names is kept, `prune`)
       tensorboard/, wandb/ with --report-to: the trackers' logs (deltalens.training.tracking)
 
       .lock                held (fcntl.flock) by the one process writing the run; holds its pid
@@ -272,8 +273,9 @@ class RunDir:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     # -- checkpoints
-    def save(self, model, tokenizer, name: str, state: dict, save_pt: bool = False) -> Path:
-        """Write checkpoints/<name>/ (HF format) atomically, then state.json pointing at it."""
+    def save(self, model, tokenizer, name: str, state: dict, save_pt: bool = False, prune: bool = False) -> Path:
+        """Write checkpoints/<name>/ (HF format) atomically, then state.json pointing at it; with `prune`, then
+        delete every other iter-N checkpoint (`prune`)."""
         out = self.ckpt / name
         with atomic_dir(out) as tmp, quiet_transformers():
             model.save_pretrained(tmp, safe_serialization=True)
@@ -283,7 +285,23 @@ class RunDir:
             save_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()},
                             self.ckpt / f"{name}.pt")
         self.write_state({**state, "checkpoint": name})
+        if prune:
+            self.prune(keep=name)
         return out
+
+    def prune(self, keep: str) -> list[Path]:
+        """Delete every iter-N checkpoint but `keep` (the one state.json names: a resume never reads another),
+        with its iter-N.pt and GRPO optimizer state iter-N.trainer.pt; `final` is never deleted. Called after
+        state.json names `keep`, so a kill part way leaves only extra checkpoints behind. Returns what went."""
+        gone = [p for p in (self.ckpt.iterdir() if self.ckpt.is_dir() else ())
+                if (m := _ITER.match(p.name)) and p.name[m.end():] in ("", ".pt", ".trainer.pt")
+                and p.name.removesuffix(".trainer.pt").removesuffix(".pt") != keep]
+        for p in gone:
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink(missing_ok=True)
+        return gone
 
     def reopen_final(self, state: dict) -> dict:
         """Continue a finished run: copy checkpoints/final to iter-<k>, point state.json at it, then drop

@@ -55,16 +55,16 @@ from deltalens.study.verify import config_of, inputs_of
 
 # settings that may differ between pieces: what they ran and where, not how anything was measured
 FREE = ("seeds", "methods", "base_seeds", "first_run_measures", "ray", "cpus_per_run", "gpus_per_run", "ray_files",
-        "report_to")
+        "report_to", "keep_checkpoints")
 # a run's config.json fields that do not change what it trains: the seed (differs by design), logging,
-# checkpointing (and which optimizer states are kept), validation passes, how the work is batched or
-# where it runs, whether GRPO recomputes activations in backward (the qwen2.5 preset's since 2026-12-07),
+# checkpointing (and which checkpoints and optimizer states are kept), validation passes, how the work is
+# batched or where it runs, whether GRPO recomputes activations in backward (the qwen2.5 preset's since 2026-12-07),
 # the version string. ES's `shared_prefix` is not among them: it changes bf16 completions at near-ties, so
 # pieces that both record it must agree, and a piece recorded before it existed (2026-12-06) is merged with a
 # note naming it
 RUN_FREE = ("seed", "eval_every", "eval_limit", "checkpoint_every", "save_every", "save_steps", "save_pt",
-            "keep_optimizer_states", "report_to", "logging_steps", "noise_threads", "population_batch",
-            "max_micro_batch", "gradient_checkpointing", "backend", "device", "deltalens_version")
+            "keep_optimizer_states", "keep_checkpoints", "report_to", "logging_steps", "noise_threads",
+            "population_batch", "max_micro_batch", "gradient_checkpointing", "backend", "device", "deltalens_version")
 
 
 # paths that name where a run's pieces lie (a chain's stage directories, the stage it starts from): they

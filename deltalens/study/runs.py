@@ -100,7 +100,8 @@ def run_plan(cfg: StudyConfig, out: Path) -> list[dict]:
     and the configs it trains with (nothing is trained here). The groups: the methods, then es-n<N> for each
     `population_sizes` N, then es-2pt."""
     preset, budget = preset_of(cfg), study_budget(cfg)
-    common = {"model": cfg.model, "task": cfg.task, "chat_template": cfg.chat_template, "report_to": cfg.report_to}
+    common = {"model": cfg.model, "task": cfg.task, "chat_template": cfg.chat_template, "report_to": cfg.report_to,
+              "keep_checkpoints": cfg.keep_checkpoints}
     groups = [(m, m, None) for m in cfg.methods]
     groups += [(f"es-n{n}", "es", n) for n in population_sizes(cfg)]
     groups += [(TWO_POINT, "es", 2)] if cfg.two_point else []

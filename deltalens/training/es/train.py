@@ -3,7 +3,8 @@
 Per iteration: the P prompts of (seed, iteration); every member's reward from the backend (local, Ray
 or vLLM: `deltalens.training.es.backends`); shaped fitness z; the update θ += (α/N) Σ z_i ε_i applied
 by the backend on every replica; one metrics row (rewards, fitness, seeds, update RMS, weights
-checksum, timings); a checkpoint every `checkpoint_every` iterations and at the end. With `report_to`,
+checksum, timings); a checkpoint every `checkpoint_every` iterations and at the end (with `keep_checkpoints`
+off, each one replaces the one before: `RunDir.prune`). With `report_to`,
 each row is mirrored to TensorBoard / W&B in the run directory (`deltalens.training.tracking`: reward
 mean/std, the members' rewards as a histogram, the update's RMS and norm, validation Pass@1, timings).
 
@@ -129,10 +130,10 @@ def _loop(run: RunDir, config: ESConfig, engine: ESEngine, backend, start: int, 
         tracker.log_row(row, extra={"train/update_norm": row["update_rms"] * norm,
                                     "train/units": es_units(it, config.prompts_per_iteration, config.population)})
         st = ESState(config.seed, it, row["checksum"], {"compute_dtype": engine.compute_dtype})
-        if it == config.iterations:
-            run.save(model, tok, "final", st.to_dict(), save_pt=config.save_pt)
-        elif config.checkpoint_every and it % config.checkpoint_every == 0:
-            run.save(model, tok, checkpoint_name(it), st.to_dict(), save_pt=config.save_pt)
+        name = "final" if it == config.iterations else (
+            checkpoint_name(it) if config.checkpoint_every and it % config.checkpoint_every == 0 else None)
+        if name is not None:
+            run.save(model, tok, name, st.to_dict(), save_pt=config.save_pt, prune=not config.keep_checkpoints)
         if progress:
             progress(it, config.iterations, row)
 

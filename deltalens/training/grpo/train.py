@@ -12,7 +12,8 @@ interface) and makes its run look like an ES run to the rest of deltalens (`delt
                            TRL log under "trl", and "eval" (held-out greedy Pass@1) every eval_every steps;
                            a row {"iteration": 0, "eval": ...} before the first step, as ES writes
     out/state.json         {"method": "grpo", "iteration": k, "checkpoint": "iter-00000k", "checksum", ...}
-    out/checkpoints/iter-XXXXXX/       HF format (RunDir.save), every save_every steps
+    out/checkpoints/iter-XXXXXX/       HF format (RunDir.save), every save_every steps (keep_checkpoints off:
+                                       the latest only, `RunDir.prune`)
     out/checkpoints/iter-XXXXXX.trainer.pt   optimizer + LR-scheduler state of the latest checkpoint (of every
                                              one with keep_optimizer_states; a resume reads the latest only)
     out/checkpoints/final/ (+ final.trainer.pt)   the last weights; `load_model(out)` loads them
@@ -459,7 +460,8 @@ def _run_callback_class():
                 save_trainer_state(_trainer_state_path(self.run, name), optimizer, lr_scheduler, step)
                 _save_weights(self.run, m, self.tok, name, {"method": "grpo", "iteration": step, "seed": cfg.seed,
                                                             "checksum": weights_checksum(m),
-                                                            "compute_dtype": self.compute_dtype}, cfg.save_pt)
+                                                            "compute_dtype": self.compute_dtype}, cfg.save_pt,
+                              prune=not cfg.keep_checkpoints)
                 if not cfg.keep_optimizer_states:  # state.json now names `name`: older states are never read
                     prune_trainer_states(self.run, keep=name)
             if self.progress:
@@ -470,14 +472,14 @@ def _run_callback_class():
     return RunCallback
 
 
-def _save_weights(run, model, tok, name: str, state: dict, save_pt: bool) -> None:
+def _save_weights(run, model, tok, name: str, state: dict, save_pt: bool, prune: bool = False) -> None:
     """RunDir.save with the model's config as it was loaded (TRL turns use_cache off under gradient
     checkpointing; a checkpoint should generate with a KV cache)."""
     use_cache = getattr(model.config, "use_cache", None)
     try:
         if use_cache is False:
             model.config.use_cache = True
-        run.save(model, tok, name, state, save_pt=save_pt)
+        run.save(model, tok, name, state, save_pt=save_pt, prune=prune)
     finally:
         if use_cache is not None:
             model.config.use_cache = use_cache

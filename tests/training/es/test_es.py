@@ -243,6 +243,25 @@ def test_resume_equals_uninterrupted(reference_run, tmp_path):
     assert rows == [{**r, "timing": rows[i]["timing"]} for i, r in enumerate(RunDir(ref).metrics())]
 
 
+def test_without_keep_checkpoints_only_the_latest_is_kept_and_resumes(reference_run, tmp_path):
+    """--no-keep-checkpoints: each checkpoint replaces the one before (its .pt too), a killed run resumes from the
+    one left, and a finished run holds only final; the weights are the run's with every checkpoint kept."""
+    cfg, ref = reference_run
+    cfg = replace(cfg, checkpoint_every=1, keep_checkpoints=False, save_pt=True)
+    ck = tmp_path / "run" / "checkpoints"
+
+    def kill_after_iteration_3(done, total, row):
+        if done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_es(cfg, tmp_path / "run", progress=kill_after_iteration_3)
+    assert sorted(p.name for p in ck.iterdir()) == ["iter-000003", "iter-000003.pt"]
+    train_es(cfg, tmp_path / "run", resume=True)
+    assert sorted(p.name for p in ck.iterdir()) == ["final", "final.pt"]
+    assert_same_weights(final_weights(ref), final_weights(tmp_path / "run"))
+
+
 # ---------------------------------------------------------------------------- CLI
 
 

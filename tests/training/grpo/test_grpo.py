@@ -292,6 +292,14 @@ def test_every_optimizer_state_is_kept_when_asked(tmp_path):
     assert load_trainer_state(ck / "iter-000001.trainer.pt")["step"] == 1
 
 
+def test_without_keep_checkpoints_a_finished_run_holds_only_final(tmp_path):
+    train_grpo(fast(steps=3, save_every=1, keep_checkpoints=False), tmp_path / "latest")
+    ck = tmp_path / "latest" / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["final", "final.trainer.pt"]
+    with pytest.raises(DeltalensError, match="drop one of them"):
+        fast(keep_checkpoints=False, keep_optimizer_states=True)
+
+
 def test_resume_verifies_the_weights_checksum(tmp_path):
     """Every GRPO save stores the weights' checksum; a resume from an edited checkpoint is refused in one line
     (through the CLI, whose bare `train --resume RUN` form also works for GRPO runs)."""
