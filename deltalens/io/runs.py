@@ -291,11 +291,11 @@ class RunDir:
 
     def prune(self, keep: str) -> list[Path]:
         """Delete every iter-N checkpoint but `keep` (the one state.json names: a resume never reads another),
-        with its iter-N.pt and GRPO optimizer state iter-N.trainer.pt; `final` is never deleted. Called after
-        state.json names `keep`, so a kill part way leaves only extra checkpoints behind. Returns what went."""
+        with its iter-N.pt; `final` is never deleted (GRPO's optimizer states have their own pruning,
+        `prune_trainer_states`). Called after state.json names `keep`, so a kill part way leaves only extra
+        checkpoints behind. Returns what went."""
         gone = [p for p in (self.ckpt.iterdir() if self.ckpt.is_dir() else ())
-                if (m := _ITER.match(p.name)) and p.name[m.end():] in ("", ".pt", ".trainer.pt")
-                and p.name.removesuffix(".trainer.pt").removesuffix(".pt") != keep]
+                if _ITER.fullmatch(p.name.removesuffix(".pt")) and p.name.removesuffix(".pt") != keep]
         for p in gone:
             if p.is_dir():
                 shutil.rmtree(p)

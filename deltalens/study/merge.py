@@ -58,8 +58,8 @@ FREE = ("seeds", "methods", "base_seeds", "first_run_measures", "ray", "cpus_per
         "report_to", "keep_checkpoints")
 # a run's config.json fields that do not change what it trains: the seed (differs by design), logging,
 # checkpointing (and which checkpoints and optimizer states are kept), validation passes, how the work is
-# batched or where it runs, whether GRPO recomputes activations in backward (the qwen2.5 preset's since 2026-12-07),
-# the version string. ES's `shared_prefix` is not among them: it changes bf16 completions at near-ties, so
+# batched or where it runs, whether GRPO recomputes activations in backward (the qwen2.5 preset's since
+# 2026-12-07), the version string. ES's `shared_prefix` is not among them: it changes bf16 completions at near-ties, so
 # pieces that both record it must agree, and a piece recorded before it existed (2026-12-06) is merged with a
 # note naming it
 RUN_FREE = ("seed", "eval_every", "eval_limit", "checkpoint_every", "save_every", "save_steps", "save_pt",
