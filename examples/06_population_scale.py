@@ -7,8 +7,8 @@
         # --runs/tiny-large with the same recipe (lr 1.5e-3, 800 of 1200 cosine steps: ~30 min on 2 CPU cores,
         # not bit-identical across machines); then 2 sizes x 4 N x seeds ES runs of --iterations each
     python examples/06_population_scale.py --device cuda --population-batch 64 --seeds 0,1
-        # on one GPU: the large model builds in seconds, every member of an iteration generates in one
-        # batch (deltalens.training.es.population; noise is still drawn on the CPU)
+        # on one GPU: every member of an iteration generates in one batch (deltalens.training.es.population;
+        # noise is still drawn on the CPU)
     python examples/06_population_scale.py --quick                       # seconds (tests)
 
 Each (size, N) run uses the tiny ES preset (σ 6e-3, α 3e-3, antithetic) with P=8 prompts for a fixed number of
