@@ -295,7 +295,7 @@ class RunDir:
         `prune_trainer_states`). Called after state.json names `keep`, so a kill part way leaves only extra
         checkpoints behind. Returns what went."""
         gone = [p for p in (self.ckpt.iterdir() if self.ckpt.is_dir() else ())
-                if _ITER.fullmatch(p.name.removesuffix(".pt")) and p.name.removesuffix(".pt") != keep]
+                if _ITER.fullmatch(stem := p.name.removesuffix(".pt")) and stem != keep]
         for p in gone:
             if p.is_dir():
                 shutil.rmtree(p)
