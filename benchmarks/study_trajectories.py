@@ -20,14 +20,7 @@ import json
 import statistics
 from pathlib import Path
 
-from deltalens.schema import read_text
-
-
-def load(study: str) -> dict:
-    p = Path(study)
-    if p.is_dir():
-        p = next(q for q in (p / "analysis.json", p / "analysis.json.gz") if q.exists())
-    return json.loads(read_text(p))
+from deltalens.study.scale import read_study
 
 
 def quarters(rows: list[dict]) -> list[float]:
@@ -53,8 +46,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--weights", action="append", default=[], help="a model spec (repeatable)")
     ap.add_argument("--out", help="output JSON (default: print)")
     args = ap.parse_args(argv)
-    doc = load(args.study)
-    short = load(args.shorter) if args.shorter else None
+    doc = read_study(args.study)[1]
+    short = read_study(args.shorter)[1] if args.shorter else None
     runs = {}
     for label, t in doc["training"].items():
         r = {"reward_mean_by_quarter": quarters(t["rows"]), "rel_l2": doc["diff"][label]["whole"]["rel_l2"]}
