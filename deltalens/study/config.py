@@ -15,6 +15,7 @@ from deltalens.presets import default_task
 from deltalens.study.cluster import ray_checks, ray_option
 from deltalens.training.budget import parse_budget
 from deltalens.training.es.config import ESConfig
+from deltalens.training.grpo.config import GRPOConfig
 from deltalens.training.tracking import HELP as REPORT_TO_HELP
 from deltalens.training.tracking import normalize_report_to
 
@@ -30,38 +31,49 @@ def seeds_checks(seeds: tuple[int, ...]) -> list[tuple[bool, str]]:
             (all(x >= 0 for x in seeds), f"--seeds must be >= 0 (got {','.join(map(str, seeds))})")]
 
 
-# ES settings a study sets itself (or that would make its runs another study's), so --es-options refuses them
+# settings a study sets itself (or that would make its runs another study's), so --es-options and
+# --grpo-options refuse them
 STUDY_SET_ES = ("model", "task", "data", "question_field", "answer_field", "seed", "budget", "iterations",
                 "chat_template", "report_to", "init_from", "keep_checkpoints")
+STUDY_SET_GRPO = ("model", "init_from", "task", "data", "question_field", "answer_field", "seed", "budget", "steps",
+                  "chat_template", "report_to", "keep_checkpoints")
+STUDY_SET = {"es": STUDY_SET_ES, "grpo": STUDY_SET_GRPO}
 
 
-def parse_es_options(specs) -> dict:
-    """["population=32", "alpha=5e-4"] -> {"population": 32, "alpha": 0.0005}, typed by ESConfig; unknown
-    names, names the study sets itself (STUDY_SET_ES), list-valued settings (a comma would split them) and
-    a name given twice are refused in one line. The values themselves are checked by ESConfig when a run's
-    config is resolved."""
-    types, out = ESConfig.types(), {}
+def parse_run_options(method: str, specs) -> dict:
+    """--es-options / --grpo-options: ["population=32", "alpha=5e-4"] -> {"population": 32, "alpha": 0.0005},
+    typed by the method's config (ESConfig, GRPOConfig); unknown names, names the study sets itself
+    (STUDY_SET), list-valued settings (a comma would split them) and a name given twice are refused in one
+    line. The values themselves are checked by the config when a run's config is resolved."""
+    cls = ESConfig if method == "es" else GRPOConfig
+    flag = f"--{method}-options"
+    types, out = cls.types(), {}
     for spec in specs:
         key, sep, value = str(spec).partition("=")
         key = key.strip().lstrip("-").replace("-", "_")
         if not sep or not key or not value.strip():
-            raise DeltalensError(f"--es-options must be name=value, comma-separated (got {spec!r})")
-        if key not in types or not ESConfig.field(key).metadata.get("cli", True):
-            raise DeltalensError(f"--es-options {key}: ES has no option {flag_name(key)} "
-                                 "(see `deltalens train es --help`)")
-        if key in STUDY_SET_ES:
-            raise DeltalensError(f"--es-options {key}: the study sets {flag_name(key)} itself"
+            raise DeltalensError(f"{flag} must be name=value, comma-separated (got {spec!r})")
+        if key not in types or not cls.field(key).metadata.get("cli", True):
+            raise DeltalensError(f"{flag} {key}: {cls.NAME} has no option {flag_name(key)} "
+                                 f"(see `deltalens train {method} --help`)")
+        if key in STUDY_SET[method]:
+            raise DeltalensError(f"{flag} {key}: the study sets {flag_name(key)} itself"
                                  + (" (use --seeds)" if key == "seed" else " (use --budget)" if key in
-                                    ("budget", "iterations") else ""))
-        if isinstance(ESConfig.field(key).default, tuple):
-            raise DeltalensError(f"--es-options {key}: list-valued settings cannot be given here")
+                                    ("budget", "iterations", "steps") else ""))
+        if isinstance(cls.field(key).default, tuple):
+            raise DeltalensError(f"{flag} {key}: list-valued settings cannot be given here")
         if key in out:
-            raise DeltalensError(f"--es-options names {key} twice")
+            raise DeltalensError(f"{flag} names {key} twice")
         value = value.strip()
-        if isinstance(ESConfig.field(key).default, bool):  # command-line text: true/false
+        if isinstance(cls.field(key).default, bool):  # command-line text: true/false
             value = {"true": True, "false": False}.get(value.lower(), value)
-        out[key] = coerce(value, types[key], key, "--es-options")
+        out[key] = coerce(value, types[key], key, flag)
     return out
+
+
+def parse_es_options(specs) -> dict:
+    """--es-options as typed ESConfig values (`parse_run_options`)."""
+    return parse_run_options("es", specs)
 
 
 @dataclass
@@ -125,6 +137,9 @@ class StudyConfig(Config):
                                          "ES->GRPO's ES stage) over the preset: name=value, comma-separated, "
                                          "the names of `deltalens train es` (e.g. population=32: claim 6 across "
                                          "models needs one reference N)")
+    grpo_options: tuple[str, ...] = option((), "settings of every GRPO run (grpo, ES->GRPO's GRPO stage) over the "
+                                           "preset: name=value, comma-separated, the names of `deltalens train "
+                                           "grpo` (e.g. autocast=bf16)")
     ray: str | None = ray_option("ray")
     cpus_per_run: float = ray_option("cpus_per_run")
     gpus_per_run: float = ray_option("gpus_per_run")
@@ -174,8 +189,9 @@ class StudyConfig(Config):
         ])
         if self.budget is not None:
             self.budget = parse_budget(self.budget)
-        self.es_options = tuple(self.es_options)
+        self.es_options, self.grpo_options = tuple(self.es_options), tuple(self.grpo_options)
         parse_es_options(self.es_options)  # refuses a bad --es-options now, before anything is written
+        parse_run_options("grpo", self.grpo_options)
 
         if self.task is None:
             self.task = default_task(self.model)
@@ -184,6 +200,16 @@ class StudyConfig(Config):
     def es_settings(self) -> dict:
         """--es-options as typed ESConfig values: {"population": 32, ...} (`parse_es_options`)."""
         return parse_es_options(self.es_options)
+
+    @property
+    def grpo_settings(self) -> dict:
+        """--grpo-options as typed GRPOConfig values: {"autocast": "bf16", ...} (`parse_run_options`)."""
+        return parse_run_options("grpo", self.grpo_options)
+
+    def method_settings(self, method: str) -> dict:
+        """The options over the preset of a run (or chain stage) of `method`: --es-options for es,
+        --grpo-options for grpo."""
+        return {"es": self.es_settings, "grpo": self.grpo_settings}.get(method, {})
 
     @property
     def eval_temperatures(self) -> tuple[float, ...]:

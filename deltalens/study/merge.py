@@ -13,9 +13,10 @@ What a merge requires and takes, piece by piece (documents in the order given):
     settings    every setting of `study.config` equal (model, task, budget and preset as resolved, limit,
                 samples, K, temperatures, sparsities, population sizes, two-point, α rule, ES options,
                 backend, compute dtype, resamples, margin, ...) except the seeds, the methods, the base's
-                sampling seeds and where the pieces ran (--ray and its companions, --report-to); the ES
-                runs' own settings (ES_ONLY) between the pieces that train ES runs only, so a piece of GRPO
-                runs merges with one of ES runs at --population-sizes
+                sampling seeds and where the pieces ran (--ray and its companions, --report-to); one
+                method's own settings (METHOD_ONLY: the ES runs', --grpo-options) between the pieces that
+                train such runs only, so a piece of GRPO runs merges with one of ES runs at
+                --population-sizes
     runs        the union; a label in two pieces is refused (one run, one result)
     base        the distinct base evaluations, pooled: a piece's base evaluations that all equal earlier
                 ones row for row at every temperature (same machine, same sampling seeds) are counted once,
@@ -135,20 +136,21 @@ def _order(cfg: StudyConfig, runs: list[dict]) -> list[dict]:
     return sorted(runs, key=lambda r: (rank.get(r["group"], len(rank)), r["seed"]))
 
 
-# settings of the ES runs only: compared between the pieces that train such runs (claim 6/7's extra runs
-# exist only beside the es runs; --es-options also sets ES->GRPO's ES stage), taken from them
-ES_ONLY = {"population_sizes": ("es",), "two_point": ("es",), "population_alpha": ("es",),
-           "es_options": ("es", "es-grpo", "grpo-es")}
+# settings of one method's runs only: compared between the pieces that train such runs (claim 6/7's extra runs
+# exist only beside the es runs; --es-options also sets ES->GRPO's ES stage, --grpo-options its GRPO
+# stage), taken from them
+METHOD_ONLY = {"population_sizes": ("es",), "two_point": ("es",), "population_alpha": ("es",),
+               "es_options": ("es", "es-grpo", "grpo-es"), "grpo_options": ("grpo", "es-grpo", "grpo-es")}
 
 
 def merged_config(cfgs: list[StudyConfig], names: list[str], base_seeds: int) -> StudyConfig:
     """The merged study's settings, or a one-line refusal naming the first setting two pieces differ in.
-    Settings in ES_ONLY are compared between the pieces whose methods use them (a GRPO-only piece cannot
+    Settings in METHOD_ONLY are compared between the pieces whose methods use them (a GRPO-only piece cannot
     have population sizes) and taken from the first such piece."""
     dicts = [c.to_dict() for c in cfgs]
     merged = dict(dicts[0])
     for key in sorted({k for d in dicts for k in d} - set(FREE)):
-        users = [i for i, c in enumerate(cfgs) if key not in ES_ONLY or set(c.methods) & set(ES_ONLY[key])]
+        users = [i for i, c in enumerate(cfgs) if key not in METHOD_ONLY or set(c.methods) & set(METHOD_ONLY[key])]
         if not users:
             continue
         ref = users[0]

@@ -296,7 +296,8 @@ def _check_study_file(cfg: StudyConfig, out: Path) -> None:
     pinned = ("model", "task", "budget", "preset", "chat_template")
     settings = {k: getattr(cfg, k) for k in pinned}
     # options added later: pinned only when not their default, so studies pinned before them still match
-    later = {"es_settings": (cfg.es_settings, {}), "population_alpha": (cfg.population_alpha, "fixed")}
+    later = {"es_settings": (cfg.es_settings, {}), "grpo_settings": (cfg.grpo_settings, {}),
+             "population_alpha": (cfg.population_alpha, "fixed")}
     settings.update({k: v for k, (v, default) in later.items() if v != default})
     diff = pin_json(settings, out / "study.json")
     if diff:

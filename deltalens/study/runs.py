@@ -118,11 +118,11 @@ def run_plan(cfg: StudyConfig, out: Path) -> list[dict]:
                 total, configs = es.iterations, {"es": es}
             elif stages is None:  # one method (deltalens.training.methods): its budget gives its count
                 m = methods.get(method)
-                c = m.config.resolve(preset=preset, given=es_given if method == "es" else given)
+                c = m.config.resolve(preset=preset, given={**cfg.method_settings(method), **given})
                 total, configs = m.total(c), {method: c}
             else:  # a chain: its stages split the budget (deltalens.training.chain.stage_configs)
                 configs = {s: methods.get(s).config.resolve(
-                    preset=preset, given={**(cfg.es_settings if s == "es" else {}), **common, "seed": seed})
+                    preset=preset, given={**cfg.method_settings(s), **common, "seed": seed})
                     for s in dict.fromkeys(stages)}
                 cfgs = stage_configs(d, stages, cfg.model, cfg.task, configs, {}, budget)
                 total = sum(methods.get(s).total(c) for s, c in zip(stages, cfgs))

@@ -131,3 +131,62 @@ def test_population_alpha_is_refused_when_unknown_and_pinned_when_scaled(tmp_pat
     _check_study_file(scaled, tmp_path)  # the same settings again: accepted
     with pytest.raises(DeltalensError, match=r"population_alpha: 'scaled' vs None"):
         _check_study_file(fixed, tmp_path)
+
+
+def test_grpo_options_reach_every_grpo_run_and_no_es_run(tmp_path):
+    """--grpo-options (e.g. the loss pass under bf16 autocast) set the grpo runs and ES->GRPO's GRPO stage over
+    the preset; ES runs, the budget and every other GRPO setting stay as they were."""
+    _, base = plan(tmp_path, population_sizes="4")
+    cfg, runs = plan(tmp_path, population_sizes="4", grpo_options="autocast=bf16,learning_rate=2e-6")
+    for label, stage in (("grpo-s0", "grpo"), ("es-grpo-s0", "grpo")):
+        got, was = runs[label]["configs"][stage].to_dict(), base[label]["configs"][stage].to_dict()
+        assert (got["autocast"], got["learning_rate"]) == ("bf16", 2e-6)
+        assert {k for k in got if got[k] != was[k]} == {"autocast", "learning_rate"}
+    for label in ("es-s0", "es-n4-s0"):
+        assert runs[label]["configs"]["es"].to_dict() == base[label]["configs"]["es"].to_dict()
+    assert runs["es-grpo-s0"]["configs"]["es"].to_dict() == base["es-grpo-s0"]["configs"]["es"].to_dict()
+    assert study_budget(cfg) == study_budget(plan(tmp_path)[0])
+    assert [r["total"] for r in runs.values()] == [r["total"] for r in base.values()]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nope=1", "--grpo-options nope: GRPO has no option --nope (see `deltalens train grpo --help`)"),
+    ("steps=5", "the study sets --steps itself (use --budget)"),
+    ("init_from=x", "the study sets --init-from itself"),
+    ("autocast=bf16,autocast=none", "--grpo-options names autocast twice"),
+    ("learning_rate=fast", "learning_rate must be a number"),
+])
+def test_bad_grpo_options_are_refused_in_one_line_before_work(tmp_path, spec, message):
+    with pytest.raises(DeltalensError, match=re.escape(message)):
+        StudyConfig.resolve(given={"model": "tiny", "grpo_options": spec})
+    r = run_cli(["study", "tiny", "--out", tmp_path / "s", "--grpo-options", spec])
+    assert r.exit_code == 2 and message in r.output and not (tmp_path / "s").exists()
+
+
+def test_grpo_options_are_pinned_and_an_older_study_without_them_still_matches(tmp_path):
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / "study.json").write_text(json.dumps({"model": "tiny", "task": "arith", "budget": None, "preset": "auto",
+                                                "chat_template": "auto"}))  # pinned before --grpo-options existed
+    _check_study_file(StudyConfig.resolve(given={"model": "tiny"}), out)
+    with pytest.raises(DeltalensError, match="other settings.*grpo_settings"):
+        _check_study_file(StudyConfig.resolve(given={"model": "tiny", "grpo_options": "autocast=bf16"}), out)
+    (out / "study.json").unlink()
+    _check_study_file(StudyConfig.resolve(given={"model": "tiny", "grpo_options": "autocast=bf16"}), out)
+    with pytest.raises(DeltalensError, match="other settings"):
+        _check_study_file(StudyConfig.resolve(given={"model": "tiny"}), out)
+
+
+def test_merge_compares_grpo_options_between_pieces_with_grpo_runs_only():
+    from deltalens.study.merge import merged_config
+
+    def cfg(methods, **given):
+        return StudyConfig.resolve(given={"model": "tiny", "methods": methods, **given})
+
+    es_piece, grpo_piece = cfg("es"), cfg("grpo", grpo_options="autocast=bf16")
+    merged = merged_config([es_piece, grpo_piece], ["a", "b"], 3)
+    assert merged.grpo_settings == {"autocast": "bf16"}  # taken from the piece that trains GRPO runs
+    with pytest.raises(DeltalensError, match=r"^b is a study with other settings than a \(grpo_options: "):
+        merged_config([cfg("grpo,es-grpo"), grpo_piece], ["a", "b"], 3)
+    assert merged_config([grpo_piece, cfg("es-grpo", grpo_options="autocast=bf16")], ["a", "b"], 3).grpo_settings \
+        == {"autocast": "bf16"}
