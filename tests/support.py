@@ -7,6 +7,24 @@ from pathlib import Path
 import pytest
 import torch
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """benchmarks/NAME.py as a module (the scripts are not a package); its sibling scripts importable while it
+    loads (grpo_autocast_agreement and validation_gain import es_compute_dtype_agreement)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
 
 def tiny_spec() -> str:
     """The bundled tiny model ("tiny"); DELTALENS_TEST_TINY=<dir> substitutes another (e.g. a build

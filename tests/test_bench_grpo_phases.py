@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 
-from support import resident_block
+from support import load_benchmark, resident_block
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 MB = 1 << 20
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_grpo", BENCH / "bench_grpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_block_held_in_an_inner_phase_is_that_phases_rise_not_the_outers():
-    phases = _load().Phases(every=0.01)
+    phases = load_benchmark("bench_grpo").Phases(every=0.01)
     try:
         with phases("outer"):
             time.sleep(0.05)

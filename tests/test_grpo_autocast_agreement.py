@@ -3,25 +3,12 @@ directory (known answers; the weight distances are es_compute_dtype_agreement.di
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load():
-    sys.path.insert(0, str(BENCH))  # the script imports its sibling es_compute_dtype_agreement
-    try:
-        spec = importlib.util.spec_from_file_location("grpo_autocast_agreement", BENCH / "grpo_autocast_agreement.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+from support import load_benchmark
 
 
 def _point(name, value, p1, vs_best, ci, seeds=(0, 1)):
@@ -52,7 +39,7 @@ def _sweep(tmp_path, best_is_fp32: bool):
 
 @pytest.mark.parametrize("best_is_fp32", [True, False])
 def test_it_reports_bf16_minus_fp32_with_the_sign_of_the_difference(tmp_path, monkeypatch, best_is_fp32):
-    mod = _load()
+    mod = load_benchmark("grpo_autocast_agreement")
     seen = []
     monkeypatch.setattr(mod, "distances", lambda base, runs: seen.append((base, dict(runs))) or {"cosine": 1.0})
     out = tmp_path / "agreement.json"
@@ -74,7 +61,7 @@ def test_it_reports_bf16_minus_fp32_with_the_sign_of_the_difference(tmp_path, mo
 
 
 def test_an_unfinished_run_or_a_missing_point_is_said_in_one_line(tmp_path, monkeypatch):
-    mod = _load()
+    mod = load_benchmark("grpo_autocast_agreement")
     root = _sweep(tmp_path, True)
     (root / "runs" / "autocast=bf16-s1" / "state.json").unlink()
     monkeypatch.setattr(sys, "argv", ["x", str(root)])

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("study_run_times", BENCH / "study_run_times.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from support import load_benchmark
 
 
 def _rows(path: Path, rows: list[dict]):
@@ -22,7 +14,7 @@ def _rows(path: Path, rows: list[dict]):
 
 
 def test_run_times_reads_steps_stages_progress_lines_and_time_v(tmp_path):
-    rt = _load()
+    rt = load_benchmark("study_run_times")
     study = tmp_path / "s"
     _rows(study / "runs/es-s0/metrics.jsonl", [
         {"iteration": 0, "eval": {"pass_at_1": 0.4}},  # no timing: skipped
@@ -54,7 +46,7 @@ def test_run_times_reads_steps_stages_progress_lines_and_time_v(tmp_path):
 
 
 def test_run_times_copies_the_studys_own_task_costs(tmp_path):
-    rt = _load()
+    rt = load_benchmark("study_run_times")
     rows = [{"task": "train:es-s0", "kind": "train", "wall_s": 60.5, "peak_rss_kb": 900},
             {"task": "eval:es-s0:t0.6", "kind": "eval", "wall_s": 2.0, "peak_rss_kb": 1000}]
     _rows(tmp_path / "s/runs/es-s0/metrics.jsonl", [{"iteration": 1, "timing": {"iteration_s": 1.0}}])
@@ -64,7 +56,7 @@ def test_run_times_copies_the_studys_own_task_costs(tmp_path):
 
 
 def test_cli_refuses_a_directory_without_runs(tmp_path, capsys):
-    rt = _load()
+    rt = load_benchmark("study_run_times")
     (tmp_path / "log").write_text("")
     assert rt.main([str(tmp_path), str(tmp_path / "log")]) == 2
     assert "runs not found" in capsys.readouterr().err and not (tmp_path / "run-times.json").exists()

@@ -2,22 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load():
-    sys.path.insert(0, str(BENCH))  # the script imports its sibling es_compute_dtype_agreement
-    try:
-        spec = importlib.util.spec_from_file_location("validation_gain", BENCH / "validation_gain.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+from support import load_benchmark
 
 
 def _ev(counts):
@@ -25,7 +10,7 @@ def _ev(counts):
 
 
 def test_coverage_counts_problems_lost_and_gained_at_a_quarter_of_the_samples():
-    vg = _load()
+    vg = load_benchmark("validation_gain")
     base = _ev([16, 4, 3, 0, 0, 1, 8])
     final = _ev([16, 1, 0, 4, 0, 2, 2])
     c = vg.coverage(base, final, 16)

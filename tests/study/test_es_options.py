@@ -1,7 +1,9 @@
 """`deltalens study --es-options name=value,...`: the study's ES settings over the preset (claim 6 across models
 needs one reference N: SmolLM2's preset has N = 16, tiny's and the paper's 32). Every ES run of the plan takes
 them (es, es-n<N> and es-2pt but their own N, ES->GRPO's ES stage), GRPO does not, the default budget follows
-them, DIR/study.json pins them, and bad names or values are refused in one line before anything is written."""
+them, DIR/study.json pins them, and bad names or values are refused in one line before anything is written. The same
+for `--grpo-options` (every GRPO run: grpo and ES->GRPO's GRPO stage), which `study merge` compares between the
+pieces with GRPO runs only."""
 
 from __future__ import annotations
 
@@ -58,20 +60,25 @@ def test_study_runs_keep_only_their_latest_checkpoint_unless_asked(tmp_path):
                         "es-n4-s0": {"es": keep}}
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("nope=1", "ES has no option --nope"),
-    ("seed=3", "the study sets --seed itself (use --seeds)"),
-    ("iterations=5", "the study sets --iterations itself (use --budget)"),
-    ("params=*norm*", "list-valued settings cannot be given here"),
-    ("population=lots", "population must be an integer"),
-    ("population", "must be name=value"),
-    ("sigma=1e-3,sigma=2e-3", "names sigma twice"),
-    ("keep_checkpoints=true", "the study sets --keep-checkpoints itself"),
+@pytest.mark.parametrize("field, spec, message", [
+    ("es_options", "nope=1", "ES has no option --nope"),
+    ("es_options", "seed=3", "the study sets --seed itself (use --seeds)"),
+    ("es_options", "iterations=5", "the study sets --iterations itself (use --budget)"),
+    ("es_options", "params=*norm*", "list-valued settings cannot be given here"),
+    ("es_options", "population=lots", "population must be an integer"),
+    ("es_options", "population", "must be name=value"),
+    ("es_options", "sigma=1e-3,sigma=2e-3", "names sigma twice"),
+    ("es_options", "keep_checkpoints=true", "the study sets --keep-checkpoints itself"),
+    ("grpo_options", "nope=1", "--grpo-options nope: GRPO has no option --nope (see `deltalens train grpo --help`)"),
+    ("grpo_options", "steps=5", "the study sets --steps itself (use --budget)"),
+    ("grpo_options", "init_from=x", "the study sets --init-from itself"),
+    ("grpo_options", "autocast=bf16,autocast=none", "--grpo-options names autocast twice"),
+    ("grpo_options", "learning_rate=fast", "learning_rate must be a number"),
 ])
-def test_bad_options_are_refused_in_one_line_before_work(tmp_path, spec, message):
+def test_bad_options_are_refused_in_one_line_before_work(tmp_path, field, spec, message):
     with pytest.raises(DeltalensError, match=re.escape(message)):
-        StudyConfig.resolve(given={"model": "tiny", "es_options": spec})
-    r = run_cli(["study", "tiny", "--out", tmp_path / "s", "--es-options", spec])
+        StudyConfig.resolve(given={"model": "tiny", field: spec})
+    r = run_cli(["study", "tiny", "--out", tmp_path / "s", f"--{field.replace('_', '-')}", spec])
     assert r.exit_code == 2 and message in r.output and not (tmp_path / "s").exists()
 
 
@@ -81,20 +88,24 @@ def test_a_value_es_refuses_is_refused_at_planning(tmp_path):
         run_plan(cfg, tmp_path)
 
 
-def test_they_are_pinned_and_an_older_study_without_them_still_matches(tmp_path):
+@pytest.mark.parametrize("field, spec, other, key", [
+    ("es_options", "population=16", "population=8", "es_settings"),
+    ("grpo_options", "autocast=bf16", "autocast=none", "grpo_settings"),
+])
+def test_they_are_pinned_and_an_older_study_without_them_still_matches(tmp_path, field, spec, other, key):
     out = tmp_path / "s"
     out.mkdir()
     (out / "study.json").write_text(json.dumps({"model": "tiny", "task": "arith", "budget": None, "preset": "auto",
-                                                "chat_template": "auto"}))  # pinned before --es-options existed
+                                                "chat_template": "auto"}))  # pinned before the options existed
     _check_study_file(StudyConfig.resolve(given={"model": "tiny"}), out)
-    with pytest.raises(DeltalensError, match="other settings.*es_settings"):
-        _check_study_file(StudyConfig.resolve(given={"model": "tiny", "es_options": "population=16"}), out)
+    with pytest.raises(DeltalensError, match=f"other settings.*{key}"):
+        _check_study_file(StudyConfig.resolve(given={"model": "tiny", field: spec}), out)
     (out / "study.json").unlink()
-    _check_study_file(StudyConfig.resolve(given={"model": "tiny", "es_options": "population=16"}), out)
-    _check_study_file(StudyConfig.resolve(given={"model": "tiny", "es_options": "population=16"}), out)
-    for other in ({"es_options": "population=8"}, {}):
+    _check_study_file(StudyConfig.resolve(given={"model": "tiny", field: spec}), out)
+    _check_study_file(StudyConfig.resolve(given={"model": "tiny", field: spec}), out)
+    for given in ({field: other}, {}):
         with pytest.raises(DeltalensError, match="other settings"):
-            _check_study_file(StudyConfig.resolve(given={"model": "tiny", **other}), out)
+            _check_study_file(StudyConfig.resolve(given={"model": "tiny", **given}), out)
 
 
 def test_population_alpha_scaled_gives_the_extra_runs_alpha_times_n_over_the_reference_n(tmp_path):
@@ -147,34 +158,6 @@ def test_grpo_options_reach_every_grpo_run_and_no_es_run(tmp_path):
     assert runs["es-grpo-s0"]["configs"]["es"].to_dict() == base["es-grpo-s0"]["configs"]["es"].to_dict()
     assert study_budget(cfg) == study_budget(plan(tmp_path)[0])
     assert [r["total"] for r in runs.values()] == [r["total"] for r in base.values()]
-
-
-@pytest.mark.parametrize("spec, message", [
-    ("nope=1", "--grpo-options nope: GRPO has no option --nope (see `deltalens train grpo --help`)"),
-    ("steps=5", "the study sets --steps itself (use --budget)"),
-    ("init_from=x", "the study sets --init-from itself"),
-    ("autocast=bf16,autocast=none", "--grpo-options names autocast twice"),
-    ("learning_rate=fast", "learning_rate must be a number"),
-])
-def test_bad_grpo_options_are_refused_in_one_line_before_work(tmp_path, spec, message):
-    with pytest.raises(DeltalensError, match=re.escape(message)):
-        StudyConfig.resolve(given={"model": "tiny", "grpo_options": spec})
-    r = run_cli(["study", "tiny", "--out", tmp_path / "s", "--grpo-options", spec])
-    assert r.exit_code == 2 and message in r.output and not (tmp_path / "s").exists()
-
-
-def test_grpo_options_are_pinned_and_an_older_study_without_them_still_matches(tmp_path):
-    out = tmp_path / "s"
-    out.mkdir()
-    (out / "study.json").write_text(json.dumps({"model": "tiny", "task": "arith", "budget": None, "preset": "auto",
-                                                "chat_template": "auto"}))  # pinned before --grpo-options existed
-    _check_study_file(StudyConfig.resolve(given={"model": "tiny"}), out)
-    with pytest.raises(DeltalensError, match="other settings.*grpo_settings"):
-        _check_study_file(StudyConfig.resolve(given={"model": "tiny", "grpo_options": "autocast=bf16"}), out)
-    (out / "study.json").unlink()
-    _check_study_file(StudyConfig.resolve(given={"model": "tiny", "grpo_options": "autocast=bf16"}), out)
-    with pytest.raises(DeltalensError, match="other settings"):
-        _check_study_file(StudyConfig.resolve(given={"model": "tiny"}), out)
 
 
 def test_merge_compares_grpo_options_between_pieces_with_grpo_runs_only():
