@@ -91,7 +91,8 @@ def show(doc: dict, out: Path) -> None:
     c.console.print(t)
     if not all(p["within_noise_of_best"] for p in doc["points"]):
         c.console.print("* the interval against the best excludes 0: this point is worse than the best on "
-                        "validation", highlight=False)
+                        "validation" + (" (over problems only: one training seed per point, see sweep.md)"
+                                        if len(ev["seeds"]) == 1 else ""), highlight=False)
     c.console.print(f"sweep: {out / 'sweep.json'}, {out / 'sweep.md'}", markup=False, highlight=False)
 
 

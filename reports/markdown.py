@@ -130,6 +130,13 @@ def study_markdown(analysis: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# a sweep trained with one seed per point: its intervals hold no run-to-run variation
+ONE_SEED_NOTE = ("One training seed per point: the intervals are over validation problems only and do not carry "
+                 "the variation between training runs, so a point marked worse than the best may be a seed apart "
+                 "from it (two GRPO seeds of one SmolLM2 setting differed by 0.066 with an interval over problems "
+                 "excluding 0: benchmarks/README.md, \"Whole runs under autocast\"); add --seeds to tell.")
+
+
 def sweep_markdown(sweep: dict) -> str:
     """A sweep's settings and one row per grid point, best first (`deltalens sweep`, DIR/sweep.md)."""
     ev, base = as_dict(sweep.get("evaluation")), as_dict(sweep.get("base"))
@@ -154,4 +161,6 @@ def sweep_markdown(sweep: dict) -> str:
     lines += ["", ("Intervals: paired bootstrap over validation problems and the point's training seeds "
                    "(deltalens.analysis.stats). Points within noise of the best cannot be told apart on these "
                    "problems.")]
+    if len(as_list(ev.get("seeds"))) == 1:
+        lines += ["", ONE_SEED_NOTE]
     return "\n".join(lines) + "\n"

@@ -101,3 +101,17 @@ def test_bad_sweeps_exit_2_before_writing(tmp_path):
         assert r.exit_code == 2 and msg in r.output, (args, r.output)
         assert len(r.output.strip().splitlines()) == 1, r.output
         assert not out.exists()
+
+
+def test_sweep_md_says_when_its_intervals_hold_no_seed_variation():
+    """One training seed per point: the intervals are over problems only, and sweep.md says so; with two
+    seeds they carry the seed spread and the note is absent."""
+    from deltalens.reports.markdown import ONE_SEED_NOTE, sweep_markdown
+
+    point = {"name": "a", "pass_at_1": 0.5, "vs_base": 0.1, "vs_base_ci": [0.0, 0.2], "vs_best": 0.0,
+             "vs_best_ci": [0.0, 0.0], "within_noise_of_best": True}
+    for seeds, noted in (([0], True), ([0, 1], False)):
+        doc = {"method": "grpo", "model": "m", "task": "t", "evaluation": {"problems": 8, "samples": 2,
+                                                                           "seeds": seeds}, "best": "a",
+               "base": {"pass_at_1": 0.4}, "points": [point]}
+        assert (ONE_SEED_NOTE in sweep_markdown(doc)) == noted
