@@ -132,9 +132,9 @@ def study_markdown(analysis: dict) -> str:
 
 # a sweep trained with one seed per point: its intervals hold no run-to-run variation
 ONE_SEED_NOTE = ("One training seed per point: the intervals are over validation problems only and do not carry "
-                 "the variation between training runs, so a point marked worse than the best may be a seed apart "
-                 "from it (two GRPO seeds of one SmolLM2 setting differed by 0.066 with an interval over problems "
-                 "excluding 0: benchmarks/README.md, \"Whole runs under autocast\"); add --seeds to tell.")
+                 "the variation between training runs, so a point marked worse than the best may differ from it "
+                 "by no more than two seeds of one setting do (an example: benchmarks/README.md, \"Whole runs "
+                 "under autocast\"); add --seeds to tell.")
 
 
 def sweep_markdown(sweep: dict) -> str:

@@ -37,15 +37,15 @@ STUDY_SET_ES = ("model", "task", "data", "question_field", "answer_field", "seed
                 "chat_template", "report_to", "init_from", "keep_checkpoints")
 STUDY_SET_GRPO = ("model", "init_from", "task", "data", "question_field", "answer_field", "seed", "budget", "steps",
                   "chat_template", "report_to", "keep_checkpoints")
-STUDY_SET = {"es": STUDY_SET_ES, "grpo": STUDY_SET_GRPO}
+RUN_OPTIONS = {"es": (ESConfig, STUDY_SET_ES), "grpo": (GRPOConfig, STUDY_SET_GRPO)}  # method: (config, study-set)
 
 
 def parse_run_options(method: str, specs) -> dict:
     """--es-options / --grpo-options: ["population=32", "alpha=5e-4"] -> {"population": 32, "alpha": 0.0005},
-    typed by the method's config (ESConfig, GRPOConfig); unknown names, names the study sets itself
-    (STUDY_SET), list-valued settings (a comma would split them) and a name given twice are refused in one
+    typed by the method's config (RUN_OPTIONS: ESConfig, GRPOConfig); unknown names, names the study sets
+    itself (STUDY_SET_ES, STUDY_SET_GRPO), list-valued settings (a comma would split them) and a name given twice are refused in one
     line. The values themselves are checked by the config when a run's config is resolved."""
-    cls = ESConfig if method == "es" else GRPOConfig
+    cls, study_set = RUN_OPTIONS[method]
     flag = f"--{method}-options"
     types, out = cls.types(), {}
     for spec in specs:
@@ -56,7 +56,7 @@ def parse_run_options(method: str, specs) -> dict:
         if key not in types or not cls.field(key).metadata.get("cli", True):
             raise DeltalensError(f"{flag} {key}: {cls.NAME} has no option {flag_name(key)} "
                                  f"(see `deltalens train {method} --help`)")
-        if key in STUDY_SET[method]:
+        if key in study_set:
             raise DeltalensError(f"{flag} {key}: the study sets {flag_name(key)} itself"
                                  + (" (use --seeds)" if key == "seed" else " (use --budget)" if key in
                                     ("budget", "iterations", "steps") else ""))
@@ -69,11 +69,6 @@ def parse_run_options(method: str, specs) -> dict:
             value = {"true": True, "false": False}.get(value.lower(), value)
         out[key] = coerce(value, types[key], key, flag)
     return out
-
-
-def parse_es_options(specs) -> dict:
-    """--es-options as typed ESConfig values (`parse_run_options`)."""
-    return parse_run_options("es", specs)
 
 
 @dataclass
@@ -190,26 +185,26 @@ class StudyConfig(Config):
         if self.budget is not None:
             self.budget = parse_budget(self.budget)
         self.es_options, self.grpo_options = tuple(self.es_options), tuple(self.grpo_options)
-        parse_es_options(self.es_options)  # refuses a bad --es-options now, before anything is written
-        parse_run_options("grpo", self.grpo_options)
+        for method in RUN_OPTIONS:  # refuses a bad --es-options / --grpo-options now, before anything is written
+            self.method_settings(method)
 
         if self.task is None:
             self.task = default_task(self.model)
 
     @property
     def es_settings(self) -> dict:
-        """--es-options as typed ESConfig values: {"population": 32, ...} (`parse_es_options`)."""
-        return parse_es_options(self.es_options)
+        """--es-options as typed ESConfig values: {"population": 32, ...} (`parse_run_options`)."""
+        return self.method_settings("es")
 
     @property
     def grpo_settings(self) -> dict:
         """--grpo-options as typed GRPOConfig values: {"autocast": "bf16", ...} (`parse_run_options`)."""
-        return parse_run_options("grpo", self.grpo_options)
+        return self.method_settings("grpo")
 
     def method_settings(self, method: str) -> dict:
         """The options over the preset of a run (or chain stage) of `method`: --es-options for es,
-        --grpo-options for grpo."""
-        return {"es": self.es_settings, "grpo": self.grpo_settings}.get(method, {})
+        --grpo-options for grpo, none for another method."""
+        return parse_run_options(method, getattr(self, f"{method}_options")) if method in RUN_OPTIONS else {}
 
     @property
     def eval_temperatures(self) -> tuple[float, ...]:

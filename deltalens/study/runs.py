@@ -111,10 +111,10 @@ def run_plan(cfg: StudyConfig, out: Path) -> list[dict]:
             label = f"{group}-s{seed}"
             d = out / "runs" / label
             given = {**common, "seed": seed, "budget": budget}
-            es_given = {**cfg.es_settings, **given}
             stages = chain_stages(method)
             if population is not None:
-                es = _es_variant(preset, es_given, population, group == TWO_POINT, cfg.population_alpha)
+                es = _es_variant(preset, {**cfg.es_settings, **given}, population, group == TWO_POINT,
+                                 cfg.population_alpha)
                 total, configs = es.iterations, {"es": es}
             elif stages is None:  # one method (deltalens.training.methods): its budget gives its count
                 m = methods.get(method)
