@@ -15,6 +15,9 @@ sampling seed, so its "minus best" interval is the paired bf16-minus-fp32 differ
 training seeds when the sweep has several: `--seeds 0,1`). This script adds what the
 sweep does not report, read from the two finished runs (nothing is trained or evaluated here):
 
+- per training seed, bf16 minus fp32 validation Pass@1 with its paired interval over problems only, from the
+  sweep's cached per-problem scores, and (two seeds or more) each dtype's seed-to-seed difference the same way:
+  how far two runs of one setting land apart, which the interval over problems does not carry;
 - per training seed, ||θ-θ0|| and ||θ-θ0||/||θ0|| of each run, their ratio, the cosine of the two updates and
   ||Δ_bf16 - Δ_fp32|| / ||Δ_fp32|| (0 and 1 when the two runs took the same steps);
 - each run's per-step mean reward, KL, completion length and step seconds (metrics.jsonl), and their sums.
@@ -36,6 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from es_compute_dtype_agreement import distances
 
+from deltalens.analysis import stats
+from deltalens.analysis.report import Cache, weights_hash
+from deltalens.evaluation.passk import pass_at_k
+from deltalens.io.runs import RunDir
+from deltalens.tasks import get_task
+
 POINTS = {"fp32": "none", "bf16": "bf16"}  # this script's names -> the sweep's autocast values
 
 
@@ -48,6 +57,26 @@ def point(sweep: dict, value: str) -> dict:
              f"{', '.join(p['name'] for p in sweep['points'])})")
 
 
+def cached_pass1(root: Path, sweep: dict, spec: str, chat: str) -> list[float]:
+    """Per-problem Pass@1 of `spec` (a run's final weights) as the sweep scored it: its DIR/cache entry, keyed as
+    `deltalens.study.sweep.score_task` keys it (`chat`: the runs' chat_template setting as given, e.g. auto;
+    nothing is evaluated here)."""
+    ev, cache = sweep["evaluation"], Cache(root / "cache")
+    key = cache.key("sweep-eval", weights=weights_hash(spec), task=get_task(sweep["task"]).spec,
+                    limit=ev["problems"], samples=ev["samples"], temperature=ev["temperature"],
+                    chat=chat, split="validation")
+    f = root / "cache" / f"{key}.json"
+    if not f.is_file():
+        sys.exit(f"error: {root}/cache has no score of {spec} (rerun the sweep to the end)")
+    return [pass_at_k(n, c, 1) for n, c in json.loads(f.read_text())["per_problem"]]
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    """a minus b over the same problems: the sweep's paired bootstrap (deltalens.analysis.stats), problems only."""
+    e = stats.paired_effect([a], [b], trained_base=True, span=1.0)
+    return {"mean": round(e["estimate"], 4), "ci95": [round(x, 4) for x in e["ci"]]}
+
+
 def run_facts(run: Path) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "reward_mean" in r]
@@ -57,6 +86,19 @@ def run_facts(run: Path) -> dict:
             "kl_per_step": [round(r.get("kl", 0.0), 6) for r in rows],
             "completion_length_per_step": [round(r.get("completion_length", 0.0), 2) for r in rows],
             "compute_dtype": rows[-1].get("compute_dtype") if rows else None}
+
+
+def per_seed(root: Path, sweep: dict, runs: dict, seeds: list[int]) -> dict:
+    """Per training seed, bf16 minus fp32 validation Pass@1 with its interval over problems only; and, with two
+    seeds or more, each dtype's later seed minus its first (how far two runs of one setting land apart)."""
+    chat = json.loads(min((root / "runs").glob("*/config.json")).read_text())["chat_template"]
+    p1 = {seed: {k: cached_pass1(root, sweep, str(RunDir(r).weights()), chat) for k, r in by.items()}
+          for seed, by in runs.items()}
+    out = {f"bf16_minus_fp32 seed {s}": paired(p1[s]["bf16"], p1[s]["fp32"]) for s in seeds}
+    for s in seeds[1:]:
+        for k in POINTS:
+            out[f"{k} seed {s} minus seed {seeds[0]}"] = paired(p1[s][k], p1[seeds[0]][k])
+    return out
 
 
 def main():
@@ -89,6 +131,7 @@ def main():
            "bf16_minus_fp32": {"mean": round(diff, 4), "ci95": [round(x, 4) for x in ci],
                                "zero_in_interval": ci[0] <= 0 <= ci[1]},
            "seeds": seeds,
+           "per_seed": per_seed(root, sweep, runs, seeds),
            "distance": {f"seed {seed}": distances(sweep["model"], runs[seed]) for seed in seeds},
            "runs": {f"{k} seed {seed}": run_facts(r) for seed in seeds for k, r in runs[seed].items()}}
     text = json.dumps(res, indent=1)

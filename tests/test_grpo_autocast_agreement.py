@@ -42,6 +42,7 @@ def test_it_reports_bf16_minus_fp32_with_the_sign_of_the_difference(tmp_path, mo
     mod = load_benchmark("grpo_autocast_agreement")
     seen = []
     monkeypatch.setattr(mod, "distances", lambda base, runs: seen.append((base, dict(runs))) or {"cosine": 1.0})
+    monkeypatch.setattr(mod, "per_seed", lambda *a: {})  # reads the sweep's cached scores, which this one lacks
     out = tmp_path / "agreement.json"
     monkeypatch.setattr(sys, "argv", ["x", str(_sweep(tmp_path, best_is_fp32)), "--out", str(out)])
     mod.main()
